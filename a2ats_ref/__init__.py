@@ -1,0 +1,1 @@
+"""a2ats-ref: MLX reference implementation of A2ATS."""

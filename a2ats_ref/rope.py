@@ -1,0 +1,117 @@
+"""ROPE-FREQ, ROPE-APPLY, ROPE-INVERSE — rotary position embedding with per-token positions.
+
+Angle of pair i at position m is m * inv_freqs[i]; a pair (a, b) rotates to
+(a cos t - b sin t, a sin t + b cos t). traditional=True pairs (x[2i], x[2i+1]),
+traditional=False pairs (x[i], x[i + d/2]). The float32 cos/sin tables use the
+same inverse frequencies as mx.fast.rope, so rope_invert undoes mlx-lm's rotation
+to rounding, token by token (a block rotation by -offset would not).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import checks
+
+SUPPORTED_SCALING = ("default", "linear", "llama3")
+
+
+def _base_inv_freqs(d: int, base: float) -> mx.array:
+    # Same float32 expression mx.fast.rope evaluates when given `base`, so angles agree bit for bit.
+    half = d // 2
+    return mx.exp(mx.arange(half, dtype=mx.float32) * (-math.log(base) / half))
+
+
+def _llama3_inv_freqs(d: int, base: float, cfg: dict) -> mx.array:
+    # Mirrors mlx_lm.models.rope_utils.Llama3RoPE, which hands mx.fast.rope periods (angle = pos / period).
+    factor = cfg["factor"]
+    low = cfg.get("low_freq_factor", 1.0)
+    high = cfg.get("high_freq_factor", 4.0)
+    old_len = cfg.get("original_max_position_embeddings", 8192)
+    periods = base ** (mx.arange(0, d, 2) / d)
+    wavelens = 2 * mx.pi * periods
+    periods = mx.where(wavelens > old_len / low, periods * factor, periods)
+    medium = (wavelens > old_len / high) & (wavelens < old_len / low)
+    smooth = (old_len / wavelens - low) / (high - low)
+    periods = mx.where(medium, periods / ((1 - smooth) / factor + smooth), periods)
+    return (1.0 / periods).astype(mx.float32)
+
+
+def rope_inv_freqs(head_dim: int, base: float, scaling: dict | None = None) -> mx.array:
+    """ROPE-FREQ: inverse frequencies (head_dim/2,) float32, as mlx-lm's rope modules build them."""
+    d = checks.check_head_dim(head_dim)
+    if not (isinstance(base, (int, float)) and math.isfinite(base) and base > 1):
+        raise ValueError(f"base: expected a finite RoPE base > 1, got {base!r}")
+    kind = "default"
+    if scaling is not None:
+        kind = scaling.get("type") or scaling.get("rope_type") or "default"
+    if kind not in SUPPORTED_SCALING:
+        raise ValueError(
+            f"scaling: RoPE scaling type {kind!r} is not supported (A2ATS needs a fixed, invertible "
+            f"per-token rotation); supported types: {', '.join(SUPPORTED_SCALING)}"
+        )
+    if kind == "default":
+        return _base_inv_freqs(d, base)
+    factor = scaling.get("factor")
+    if not (isinstance(factor, (int, float)) and factor > 0):
+        raise ValueError(f"scaling['factor']: expected a positive number for {kind!r} scaling, got {factor!r}")
+    if kind == "linear":
+        return _base_inv_freqs(d, base) / factor
+    return _llama3_inv_freqs(d, base, scaling)
+
+
+def rope_params_from_module(rope_module, head_dim: int | None = None) -> tuple[mx.array, bool]:
+    """(inv_freqs, traditional) of an mlx-lm rope module (nn.RoPE or Llama3RoPE, full rotary dim)."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    name = type(rope_module).__name__
+    if type(rope_module) is nn.RoPE:
+        dims = rope_module.dims
+        if dims % 2:
+            raise ValueError(f"rope_module: expected an even rotary dim, got {dims}")
+        inv = _base_inv_freqs(dims, rope_module.base) * rope_module.scale
+    elif type(rope_module) is Llama3RoPE:
+        dims = rope_module.dims
+        inv = (1.0 / rope_module._freqs).astype(mx.float32)
+    else:
+        raise ValueError(
+            f"rope_module: {name} is not supported (its rotation is not a fixed per-token RoPE that "
+            "A2ATS can invert); supported: nn.RoPE (default/linear scaling), Llama3RoPE"
+        )
+    if head_dim is not None and dims != head_dim:
+        raise ValueError(
+            f"rope_module: rotates {dims} of {head_dim} head dims (partial rotary); A2ATS needs the full head_dim"
+        )
+    return inv, bool(rope_module.traditional)
+
+
+def _rotate(x, positions, inv_freqs, traditional: bool, sign: float) -> mx.array:
+    x = checks.as_float(x, "x")
+    checks.check_ndim(x, "x", 1, "(..., d)")
+    d = checks.check_head_dim(x.shape[-1], "x.shape[-1] (head_dim)")
+    w = checks.check_inv_freqs(inv_freqs, d)
+    p = checks.as_positions(positions)
+    checks.check_broadcast(p.shape, x.shape[:-1], "positions", "x[..., :-1]")
+    theta = p[..., None] * w
+    c, s = mx.cos(theta), sign * mx.sin(theta)
+    if traditional:
+        a, b = x[..., 0::2], x[..., 1::2]
+    else:
+        a, b = x[..., : d // 2], x[..., d // 2 :]
+    ra, rb = a * c - b * s, a * s + b * c
+    if traditional:
+        return mx.stack([ra, rb], axis=-1).reshape(ra.shape[:-1] + (d,))
+    return mx.concatenate([ra, rb], axis=-1)
+
+
+def rope_apply(x, positions, inv_freqs, *, traditional: bool) -> mx.array:
+    """ROPE-APPLY: x (..., T, d) rotated by R_p per token; positions broadcast against x.shape[:-1]."""
+    return _rotate(x, positions, inv_freqs, traditional, 1.0)
+
+
+def rope_invert(x, positions, inv_freqs, *, traditional: bool) -> mx.array:
+    """ROPE-INVERSE: x R_p^T per token, so rope_invert(rope_apply(x, p), p) == x."""
+    return _rotate(x, positions, inv_freqs, traditional, -1.0)

@@ -1,0 +1,1 @@
+"""a2ats_conformance: conformance suite."""

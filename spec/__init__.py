@@ -1,0 +1,1 @@
+"""a2ats_spec: normative clauses and float64 oracle."""
