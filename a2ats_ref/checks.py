@@ -1,4 +1,4 @@
-"""Shared precondition checks for the MLX reference (all clauses).
+"""INPUT-ERRORS — shared precondition checks for the MLX reference (all clauses).
 
 Every failure is a ValueError whose message names the argument, what was
 expected and what was received, so the caller knows what to fix.

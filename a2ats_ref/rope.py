@@ -95,7 +95,13 @@ def _rotate(x, positions, inv_freqs, traditional: bool, sign: float) -> mx.array
     w = checks.check_inv_freqs(inv_freqs, d)
     p = checks.as_positions(positions)
     checks.check_broadcast(p.shape, x.shape[:-1], "positions", "x[..., :-1]")
-    theta = p[..., None] * w
+    return rotate_unchecked(x, p, w, traditional, sign)
+
+
+def rotate_unchecked(x: mx.array, positions: mx.array, inv_freqs: mx.array, traditional: bool, sign: float) -> mx.array:
+    """The rotation without validation or host syncs (decode hot path); float32 x, positions, inv_freqs."""
+    d = x.shape[-1]
+    theta = positions[..., None] * inv_freqs
     c, s = mx.cos(theta), sign * mx.sin(theta)
     if traditional:
         a, b = x[..., 0::2], x[..., 1::2]

@@ -653,13 +653,13 @@ def select_tokens(scores: Any, *, n_kv_heads: int, query_pos: int, w: int, sinks
     """RET-SELECT. Selected-token mask (..., n_kv, T) for a query at position query_pos.
 
     Sinks j < sinks and the window 0 <= i - j < w are always kept; the other j <= i are candidates. Each query
-    head keeps its topk_count(T, topk, #candidates) highest candidate scores (ties -> lowest index); the
+    head keeps its topk_count(i + 1, topk, #candidates) highest candidate scores (ties -> lowest index); the
     union over each GQA group is taken; then sinks and window are added back.
     """
     s, n_kv, G = _check_scores(scores, n_kv_heads)
     T = s.shape[-1]
     i, forced, cand = _selection_regions(T, query_pos, w, sinks)
-    count = topk_count(T, topk, int(cand.sum()))
+    count = topk_count(i + 1, topk, int(cand.sum()))  # tokens the query can see, the authors' seq_len
     cand_idx = np.flatnonzero(cand)
     flat = s.reshape((-1,) + s.shape[-2:])
     mask = np.zeros((flat.shape[0], n_kv, T), dtype=bool)
@@ -705,7 +705,7 @@ def select_tokens_allowed(scores: Any, *, n_kv_heads: int, query_pos: int, w: in
     s, n_kv, G = _check_scores(scores, n_kv_heads)
     T = s.shape[-1]
     i, forced, cand = _selection_regions(T, query_pos, w, sinks)
-    count = topk_count(T, topk, int(cand.sum()))
+    count = topk_count(i + 1, topk, int(cand.sum()))  # tokens the query can see, the authors' seq_len
     cand_idx = np.flatnonzero(cand)
     must_h, may_h = topk_allowed(s[..., cand_idx], count, margin)
     lead = s.shape[:-2]

@@ -1,0 +1,54 @@
+"""EQ-14 — query-aware assignment: code = argmin_j (k - c_j) H (k - c_j)^T in key space.
+
+This is the brute-force definition (no Cholesky); EQ-16's assign_z must agree
+with it. k H k^T is the same for every j, so only -2 k H c_j^T + c_j H c_j^T is
+compared. Ties go to the lowest index.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import checks
+from .codes import mx_code_dtype
+
+ROW_CHUNK = 8192
+
+
+def _check_codebook_args(k, C, M, k_name: str, C_name: str, M_name: str):
+    k = checks.as_float(k, k_name)
+    C = checks.as_float(C, C_name)
+    M = checks.as_float(M, M_name)
+    checks.check_ndim(k, k_name, 1, "(..., d)")
+    d = checks.check_head_dim(k.shape[-1], f"{k_name}.shape[-1] (head_dim)")
+    checks.check_codebook(C, d, C_name)
+    if M.ndim < 2 or M.shape[-2:] != (d, d):
+        raise ValueError(f"{M_name}: expected shape (..., {d}, {d}), got shape {tuple(M.shape)}")
+    if C.ndim > 2 or M.ndim > 2:
+        # Per-head codebooks: k must carry a token axis in front of d that the batch dims broadcast over.
+        checks.check_ndim(k, k_name, 2, "(..., N, d) when codebooks are batched")
+        checks.check_broadcast(C.shape[:-2], M.shape[:-2], f"{C_name}[..., :-2]", f"{M_name}[..., :-2]")
+        checks.check_broadcast(k.shape[:-2], C.shape[:-2], f"{k_name}[..., :-2]", f"{C_name}[..., :-2]")
+    return k, C, M, d
+
+
+def nearest_rows(x: mx.array, Y: mx.array, bias: mx.array) -> mx.array:
+    """argmin_j (-2 x . Y_j + bias_j) over row chunks; x (..., N, d), Y (..., K, d), bias (..., 1, K)."""
+    Yt = mx.swapaxes(Y, -1, -2)
+    out = []
+    for s in range(0, x.shape[-2], ROW_CHUNK):
+        out.append(mx.argmin(bias - 2.0 * (x[..., s : s + ROW_CHUNK, :] @ Yt), axis=-1))
+    return mx.concatenate(out, axis=-1) if len(out) > 1 else out[0]
+
+
+def assign(k, C, H) -> mx.array:
+    """EQ-14: k (..., d), C (K, d) or (..., K, d), H (d, d) or (..., d, d) -> codes (...) uint8/uint16."""
+    k, C, H, d = _check_codebook_args(k, C, H, "k", "C", "H")
+    checks.check_symmetric(H, "H")
+    K = C.shape[-2]
+    flat = C.ndim == 2 and H.ndim == 2
+    x = k.reshape(-1, d) if flat else k
+    CH = C @ H
+    bias = mx.sum(CH * C, axis=-1)[..., None, :]
+    codes = nearest_rows(x @ H, C, bias)
+    return codes.reshape(k.shape[:-1]).astype(mx_code_dtype(K))

@@ -1,0 +1,259 @@
+"""EQ-17-INIT, EQ-17-STEP, EQ-17-FIT — k-means++ and Lloyd in z-space (z = k L).
+
+The randomness is explicit: k-means++ consumes one uniform per centre and the fit
+draws them from numpy.random.default_rng(seed), so runs are reproducible and
+comparable with the oracle. An empty cluster takes the worst-fitted point of a
+cluster that can spare one (PLAN.md's rule; the authors' code zeroes it instead),
+which keeps the objective non-increasing and every codeword in use.
+
+Scale: calibration runs N ~ 80K points, K = 4096, d = 64 per (layer, KV head).
+Distances use ||z||^2 - 2 z C^T + ||C||^2 on row chunks so the N x K matrix is
+never held at once; k-means++ skips points a new centre cannot reach (triangle
+inequality), which is exact and makes seeding O(N) per centre instead of O(N d).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from . import checks
+from .codes import mx_code_dtype
+
+ROW_CHUNK = 512  # a 512 x 4096 float32 block stays cache-friendly
+
+
+def _points(z, name: str = "z") -> mx.array:
+    z = checks.as_float(z, name)
+    if z.ndim != 2 or z.shape[0] < 1 or z.shape[1] < 1:
+        raise ValueError(f"{name}: expected points of shape (N, d) with N, d >= 1, got shape {tuple(z.shape)}")
+    return z
+
+
+@mx.compile
+def _chunk_argmin(zc: mx.array, Ct_m2: mx.array, c2: mx.array) -> mx.array:
+    # ||z||^2 is constant per row, so it does not change the argmin; addmm folds the bias into the GEMM.
+    return mx.argmin(mx.addmm(c2, zc, Ct_m2), axis=-1)
+
+
+def nearest(z: mx.array, C: mx.array) -> tuple[mx.array, mx.array]:
+    """(codes int32 (N,), squared error (N,)) of each row of z to its nearest row of C (ties -> lowest)."""
+    Ct_m2 = -2.0 * mx.swapaxes(C, 0, 1)
+    c2 = mx.sum(C * C, axis=-1)
+    parts = []
+    for s in range(0, z.shape[0], ROW_CHUNK):
+        parts.append(_chunk_argmin(z[s : s + ROW_CHUNK], Ct_m2, c2))
+        mx.eval(parts[-1])  # one chunk's N x K block at a time
+    codes = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+    # The error itself is computed directly, not by the (cancellation-prone) expansion.
+    err = mx.sum(mx.square(z - C[codes]), axis=-1)
+    return codes.astype(mx.int32), err
+
+
+def kmeanspp_init(z, K: int, uniforms) -> mx.array:
+    """EQ-17-INIT: k-means++ centres (K, d) from explicit uniforms u (K,) in [0, 1)."""
+    z = _points(z)
+    N = z.shape[0]
+    K = checks.check_pos_int(K, "K")
+    u = np.asarray(uniforms, dtype=np.float64)
+    if u.shape != (K,):
+        raise ValueError(f"uniforms: expected shape ({K},) (one uniform per centre), got {u.shape}")
+    if not np.all((u >= 0) & (u < 1)):
+        raise ValueError("uniforms: every value must lie in [0, 1)")
+    if N < K:
+        raise ValueError(f"z: need at least K={K} points, got N={N}")
+    zn = np.array(z)
+    n_distinct = np.unique(zn, axis=0).shape[0]
+    if n_distinct < K:
+        raise ValueError(f"z: need at least K={K} distinct points for k-means++, got {n_distinct}")
+
+    chosen = np.empty(K, dtype=np.int64)
+    chosen[0] = min(int(math.floor(u[0] * N)), N - 1)
+    centres = np.empty((K, zn.shape[1]), dtype=np.float32)
+    centres[0] = zn[chosen[0]]
+    d2 = np.sum(np.square(zn - centres[0]), axis=-1)
+    z2 = np.sum(np.square(zn), axis=-1)
+    near = np.zeros(N, dtype=np.int64)  # index (into centres) of each point's nearest centre
+    for t in range(1, K):
+        cum = np.cumsum(d2, dtype=np.float64)
+        n = min(int(np.searchsorted(cum, u[t] * cum[-1], side="right")), N - 1)
+        chosen[t] = n
+        c = zn[n]
+        centres[t] = c
+        # x can only move closer if ||c - c_near(x)|| < 2 ||x - c_near(x)|| (triangle inequality).
+        cc = np.sum(np.square(centres[:t] - c), axis=-1)
+        idx = np.flatnonzero(cc[near] < 4.0 * d2 * (1.0 + 1e-5) + 1e-30)
+        if idx.size > N // 4:
+            # Weak pruning (high dimension): screen every point with one matrix-vector product,
+            # with a margin for its rounding, then measure the survivors directly.
+            cn = float(np.dot(c, c))
+            approx = z2 + cn - 2.0 * np.einsum("ij,j->i", zn, c)  # einsum: no BLAS threads to contend
+            idx = np.flatnonzero(approx < d2 + 1e-5 * (z2 + cn) + 1e-30)
+        if idx.size:
+            dn = np.sum(np.square(zn[idx] - c), axis=-1)
+            closer = dn < d2[idx]
+            hit = idx[closer]
+            d2[hit] = dn[closer]
+            near[hit] = t
+    return mx.array(centres)
+
+
+def _fix_empty(codes: np.ndarray, err: np.ndarray, K: int) -> np.ndarray:
+    """Members after the empty-cluster rule: empties (in index order) take the worst-fitted spare point."""
+    members = codes.copy()
+    counts = np.bincount(members, minlength=K)
+    empties = np.flatnonzero(counts == 0)
+    if empties.size == 0:
+        return members
+    order = np.argsort(-err, kind="stable")  # largest error first, ties -> lowest index
+    p = 0
+    for e in empties:
+        # Counts of non-empty clusters only fall, so a point skipped here stays ineligible.
+        while counts[members[order[p]]] < 2:
+            p += 1
+        n = order[p]
+        counts[members[n]] -= 1
+        members[n] = e
+        counts[e] = 1
+        p += 1
+    return members
+
+
+def lloyd_step(z, C) -> tuple[mx.array, mx.array, float]:
+    """EQ-17-STEP: (C_new, codes, objective); codes and objective are under the INPUT C."""
+    z = _points(z)
+    C = checks.as_float(C, "C")
+    if C.ndim != 2 or C.shape[1] != z.shape[1] or C.shape[0] < 1:
+        raise ValueError(f"C: expected shape (K, {z.shape[1]}) matching z's width, got shape {tuple(C.shape)}")
+    N, K = z.shape[0], C.shape[0]
+    if N < K:
+        raise ValueError(f"z: need at least K={K} points, got N={N}")
+    codes, err = nearest(z, C)
+    codes_np, err_np = np.array(codes), np.array(err)
+    objective = float(np.sum(err_np, dtype=np.float64))
+    members = mx.array(_fix_empty(codes_np, err_np, K))
+    sums = mx.zeros(C.shape, dtype=mx.float32).at[members].add(z)
+    counts = mx.zeros((K,), dtype=mx.float32).at[members].add(1.0)
+    return sums / counts[:, None], codes.astype(mx_code_dtype(K)), objective
+
+
+@mx.compile
+def _chunk_two_nearest(zc: mx.array, Ct: mx.array, c2: mx.array, z2: mx.array):
+    dist = c2 - 2.0 * (zc @ Ct)
+    a = mx.argmin(dist, axis=-1)
+    first = mx.take_along_axis(dist, a[:, None], axis=-1)[:, 0]
+    second = mx.min(mx.where(mx.arange(dist.shape[-1]) == a[:, None], mx.inf, dist), axis=-1)
+    # Distances (not squared) for the bounds; the expansion can dip below zero by rounding.
+    return a, mx.sqrt(mx.maximum(first + z2, 0.0)), mx.sqrt(mx.maximum(second + z2, 0.0))
+
+
+class _BoundedLloyd:
+    """Lloyd steps with Hamerly's bounds: the same codes as lloyd_step, fewer distance rows.
+
+    Each point keeps its code a, and l, a lower bound on its distance to every other
+    centre. Its exact distance u to C[a] is recomputed every step anyway (the objective
+    needs it), so a point whose u < l keeps its code; only the rest get a full row.
+    With many centres the bounds only pay near convergence, so they switch on once few
+    codes change (< 5%) and off again when most rows still need a full pass (> 50%).
+    """
+
+    SLACK = 1e-4  # relative; absorbs float32 rounding in the expanded distances
+
+    def __init__(self, z: mx.array, K: int):
+        self.z, self.K = z, K
+        self.z2 = mx.sum(z * z, axis=-1)
+        N = z.shape[0]
+        self.codes = np.zeros(N, dtype=np.int64)
+        self.lower = np.full(N, -np.inf)
+        self.recomputed: list[int] = []
+        self.bounded = False
+
+    def step(self, C: mx.array) -> tuple[mx.array, float]:
+        if not self.bounded:
+            codes, err = nearest(self.z, C)
+            codes = np.array(codes).astype(np.int64)
+            self.bounded = bool(np.count_nonzero(codes != self.codes) < 0.05 * codes.size)
+            self.codes = codes
+            self.recomputed.append(int(codes.size))
+            self.lower[:] = -np.inf
+            return self._update(C, np.array(err).astype(np.float64))
+        z = self.z
+        err = np.array(mx.sum(mx.square(z - C[mx.array(self.codes)]), axis=-1)).astype(np.float64)
+        u = np.sqrt(err)
+        priming = bool(np.all(self.lower == -np.inf))  # first bounded step: every row gets its bound
+        todo = np.flatnonzero(u * (1 + self.SLACK) + 1e-12 >= self.lower * (1 - self.SLACK))
+        self.recomputed.append(int(todo.size))
+        if todo.size:
+            Ct = mx.swapaxes(C, 0, 1)
+            c2 = mx.sum(C * C, axis=-1)
+            idx = mx.array(todo)
+            zs, z2s = z[idx], self.z2[idx]
+            a_parts, l_parts = [], []
+            for s in range(0, todo.size, ROW_CHUNK):
+                a, _, second = _chunk_two_nearest(zs[s : s + ROW_CHUNK], Ct, c2, z2s[s : s + ROW_CHUNK])
+                mx.eval(a, second)
+                a_parts.append(a)
+                l_parts.append(second)
+            a = mx.concatenate(a_parts) if len(a_parts) > 1 else a_parts[0]
+            self.codes[todo] = np.array(a)
+            self.lower[todo] = np.array(mx.concatenate(l_parts) if len(l_parts) > 1 else l_parts[0])
+            err[todo] = np.array(mx.sum(mx.square(zs - C[a]), axis=-1))
+        if not priming and todo.size > 0.5 * self.codes.size:
+            self.bounded = False
+        return self._update(C, err)
+
+    def _update(self, C: mx.array, err: np.ndarray) -> tuple[mx.array, float]:
+        z = self.z
+        objective = float(np.sum(err))
+        members = _fix_empty(self.codes, err, self.K)
+        moved = np.flatnonzero(members != self.codes)
+        mem = mx.array(members)
+        sums = mx.zeros(C.shape, dtype=mx.float32).at[mem].add(z)
+        counts = mx.zeros((self.K,), dtype=mx.float32).at[mem].add(1.0)
+        C_new = sums / counts[:, None]
+        delta = np.array(mx.sqrt(mx.sum(mx.square(C_new - C), axis=-1))).astype(np.float64)
+        # Lower bounds fall by the largest move of any centre other than the point's own.
+        top = np.argsort(delta)[-2:] if self.K > 1 else np.array([0, 0])
+        d1, d2 = delta[top[-1]], (delta[top[0]] if self.K > 1 else 0.0)
+        self.lower -= np.where(self.codes == top[-1], d2, d1)
+        self.codes = members
+        self.lower[moved] = -np.inf
+        return C_new, objective
+
+
+def kmeans(
+    z, K: int, *, seed: int, max_iter: int = 300, tol: float = 1e-4,
+    progress: Callable[[int, float], None] | None = None,
+) -> tuple[mx.array, mx.array, np.ndarray]:
+    """EQ-17-FIT: (C (K, d), codes (N,), history of objectives).
+
+    Stops after step s when s == max_iter, f_s == 0, or s >= 2 and f_{s-1} - f_s < tol * f_{s-1};
+    codes are the nearest rows of the returned C. progress(step, objective) is called after each step.
+    The steps are EQ-17-STEP's, computed with exact pruning bounds (see _BoundedLloyd).
+    """
+    z = _points(z)
+    K = checks.check_codebook_size(K)
+    seed = checks.check_nonneg_int(seed, "seed")
+    max_iter = checks.check_pos_int(max_iter, "max_iter")
+    if not (isinstance(tol, numbers.Real) and math.isfinite(tol) and tol >= 0):
+        raise ValueError(f"tol: expected a finite number >= 0, got {tol!r}")
+    if z.shape[0] < K:
+        raise ValueError(f"z: need at least K={K} points, got N={z.shape[0]}")
+    uniforms = np.random.default_rng(seed).random(K)
+    C = kmeanspp_init(z, K, uniforms)
+    lloyd = _BoundedLloyd(z, K)
+    history: list[float] = []
+    for s in range(1, max_iter + 1):
+        C, f = lloyd.step(C)
+        mx.eval(C)
+        history.append(f)
+        if progress is not None:
+            progress(s, f)
+        if f == 0.0 or (s >= 2 and history[-2] - f < tol * history[-2]):
+            break
+    codes, _ = nearest(z, C)
+    return C, codes.astype(mx_code_dtype(K)), np.asarray(history)
