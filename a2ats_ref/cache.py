@@ -1,0 +1,591 @@
+"""CACHE-* — A2ATSCache, an mlx-lm KV cache that also keeps one A2ATS code per token and KV head.
+
+The cache holds the post-RoPE keys and values exactly as mlx-lm hands them (same
+256-token preallocation and slice assignment as mlx-lm's KVCache) plus, per token
+and KV head, the index of the nearest z-space codeword of the token's
+position-free key (EQ-12 de-rotation at the token's own position, then EQ-16
+assignment z = k L -> nearest row of Cz). Codes are computed once, on append, for
+the new tokens only; nothing already cached is ever re-rotated.
+
+Attention itself is chosen by the hook (a2ats_ref.hook.enable_a2ats):
+query length 1 -> `A2ATSCache.decode` (RET-DECODE: LUT scores from the codes,
+top-k per query head, GQA union, sinks + window, exact attention over the
+selected post-RoPE keys); query length > 1 -> mlx-lm's own dense causal
+attention (PREFILL).
+
+The cache deliberately has no `bits` attribute: mlx-lm routes any cache that has
+one to its quantized attention.
+
+Batches: every sequence of a batch selects its own tokens, but all sequences must
+share the same positions (equal-length batches, no left padding).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+
+from . import checks
+from .codes import mx_code_dtype
+from . import retrieval as _ret
+from .eq14_assign import nearest_rows
+from .eq18_back_transform import back_transform
+from .retrieval import topk_count
+from .rope import rope_params_from_module
+
+__all__ = [
+    "A2ATSConfig",
+    "A2ATSCodebook",
+    "LayerCodebook",
+    "A2ATSCache",
+    "make_a2ats_cache",
+    "random_codebook",
+    "attention_modules",
+    "assign_codes",
+    "decode_gather",
+]
+
+RANDOM_CODEBOOK_WARNING = (
+    "A2ATS is using a RANDOM codebook: token selection is meaningless. Use it only to test wiring; "
+    "for real use calibrate one (a2ats-calibrate) and pass it to make_a2ats_cache."
+)
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class A2ATSConfig:
+    """Decode-time retrieval parameters (the authors' defaults).
+
+    w: recent window (tokens with i - j < w are always attended), b: the constant
+    relative position of far tokens (R_b), sinks: first tokens always attended,
+    topk: float fraction in (0, 1] of the sequence length (int(topk * T)) or an
+    int count of extra tokens per query head.
+    """
+
+    w: int = 64
+    b: int = 2048
+    sinks: int = 8
+    topk: float | int = 0.03
+
+    def __post_init__(self):
+        for name in ("w", "b", "sinks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise ValueError(f"A2ATSConfig.{name}: expected a non-negative int, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        checks.check_topk(self.topk)  # ValueError names topk and the accepted forms
+        t = self.topk
+        object.__setattr__(self, "topk", int(t) if isinstance(t, numbers.Integral) else float(t))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "A2ATSConfig":
+        try:
+            d = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"A2ATSConfig: expected a JSON object, got {text!r} ({exc})") from None
+        if not isinstance(d, dict) or set(d) - {"w", "b", "sinks", "topk"}:
+            raise ValueError(f"A2ATSConfig: expected keys w, b, sinks, topk, got {d!r}")
+        return cls(**d)
+
+
+# --------------------------------------------------------------------------- codebooks
+
+
+@dataclass(frozen=True)
+class LayerCodebook:
+    """One layer's codebooks, all KV heads: Cz (n_kv, K, d) z-space, L (n_kv, d, d), C = Cz L^-1 (key space)."""
+
+    Cz: mx.array
+    L: mx.array
+    C: mx.array
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.Cz.shape[0]
+
+    @property
+    def K(self) -> int:
+        return self.Cz.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.Cz.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.Cz.nbytes + self.L.nbytes + self.C.nbytes
+
+    @classmethod
+    def from_z(cls, Cz, L) -> "LayerCodebook":
+        Cz = checks.as_float(Cz, "Cz")
+        L = checks.as_float(L, "L")
+        if Cz.ndim != 3:
+            raise ValueError(f"Cz: expected one layer's z-space codebooks (n_kv, K, d), got shape {tuple(Cz.shape)}")
+        n_kv, K, d = Cz.shape
+        checks.check_head_dim(d, "Cz.shape[-1] (head_dim)")
+        checks.check_codebook_size(K)
+        if L.shape != (n_kv, d, d):
+            raise ValueError(f"L: expected Cholesky factors of shape ({n_kv}, {d}, {d}) to match Cz, got {tuple(L.shape)}")
+        checks.check_lower_triangular(L, "L")
+        C = _back_transform(Cz, L)
+        mx.eval(C)
+        return cls(Cz=Cz, L=L, C=C)
+
+
+def _back_transform(Cz: mx.array, L: mx.array) -> mx.array:
+    """EQ-18: key-space codebook C = Cz L^-1, batched over KV heads."""
+    return back_transform(Cz, L)
+
+
+class A2ATSCodebook:
+    """In-memory codebooks for a whole model: Cz (n_layers, n_kv, K, d) z-space codewords and
+    L (n_layers, n_kv, d, d) lower Cholesky factors of the query moments (EQ-15/16).
+
+    Accepts stacked arrays or per-layer sequences. `random=True` marks a wiring-test codebook.
+    """
+
+    def __init__(self, Cz, L, *, random: bool = False):
+        if isinstance(Cz, (list, tuple)):
+            Cz = mx.stack([checks.as_float(c, "Cz[layer]") for c in Cz])
+        if isinstance(L, (list, tuple)):
+            L = mx.stack([checks.as_float(x, "L[layer]") for x in L])
+        Cz = checks.as_float(Cz, "Cz")
+        L = checks.as_float(L, "L")
+        if Cz.ndim != 4:
+            raise ValueError(f"Cz: expected shape (n_layers, n_kv_heads, K, head_dim), got {tuple(Cz.shape)}")
+        if L.ndim != 4 or L.shape[:2] != Cz.shape[:2] or L.shape[2:] != (Cz.shape[3], Cz.shape[3]):
+            n, h, _, d = Cz.shape
+            raise ValueError(f"L: expected shape ({n}, {h}, {d}, {d}) to match Cz {tuple(Cz.shape)}, got {tuple(L.shape)}")
+        self.layers = [LayerCodebook.from_z(Cz[i], L[i]) for i in range(Cz.shape[0])]
+        self.random = bool(random)
+
+    @classmethod
+    def from_layers(cls, layers: Sequence[LayerCodebook], *, random: bool = False) -> "A2ATSCodebook":
+        """Wrap already-built LayerCodebooks (no recomputation of C)."""
+        obj = cls.__new__(cls)
+        obj.layers, obj.random = list(layers), bool(random)
+        return obj
+
+    n_layers = property(lambda self: len(self.layers))
+    n_kv_heads = property(lambda self: self.layers[0].n_kv_heads)
+    K = property(lambda self: self.layers[0].K)
+    head_dim = property(lambda self: self.layers[0].head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lc.nbytes for lc in self.layers)
+
+    @classmethod
+    def coerce(cls, codebook) -> "A2ATSCodebook":
+        """A2ATSCodebook, or any object with .Cz and .L arrays, or a (Cz, L) pair, or a dict with those keys."""
+        if isinstance(codebook, cls):
+            return codebook
+        if isinstance(codebook, dict) and "Cz" in codebook and "L" in codebook:
+            return cls(codebook["Cz"], codebook["L"])
+        if isinstance(codebook, (tuple, list)) and len(codebook) == 2:
+            return cls(*codebook)
+        if hasattr(codebook, "Cz") and hasattr(codebook, "L"):
+            return cls(codebook.Cz, codebook.L, random=bool(getattr(codebook, "random", False)))
+        raise ValueError(
+            "codebook: expected an A2ATSCodebook, an object with .Cz (n_layers, n_kv, K, d) and .L "
+            f"(n_layers, n_kv, d, d), or a (Cz, L) pair; got {type(codebook).__name__}"
+        )
+
+
+def random_codebook(n_layers: int, n_kv_heads: int, head_dim: int, K: int = 256, *, seed: int = 0) -> A2ATSCodebook:
+    """A random codebook for wiring tests only (warns). Cz ~ N(0, 1); L = Cholesky of a random SPD matrix."""
+    for name, v in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("K", K)):
+        checks.check_pos_int(v, name)
+    d = checks.check_head_dim(head_dim)
+    checks.check_codebook_size(K)
+    warnings.warn(RANDOM_CODEBOOK_WARNING, UserWarning, stacklevel=2)
+    key = mx.random.key(seed)
+    k1, k2 = mx.random.split(key)
+    Cz = mx.random.normal((n_layers, n_kv_heads, K, d), key=k1)
+    A = mx.random.normal((n_layers, n_kv_heads, d, d), key=k2) / math.sqrt(d)
+    H = A @ mx.swapaxes(A, -1, -2) + 0.5 * mx.eye(d)
+    L = mx.linalg.cholesky(H, stream=mx.cpu)
+    L = mx.tril(L)
+    return A2ATSCodebook(Cz, L, random=True)
+
+
+# --------------------------------------------------------------------------- code assignment
+
+
+def _rotate(x: mx.array, positions: mx.array, inv_freqs: mx.array, traditional: bool, sign: float) -> mx.array:
+    # rope._rotate's float32 math (bit-identical) minus its host-syncing input checks, for the per-token
+    # hot path; the cache validates shapes and parameters once, when it is built. test_cache_fastpath
+    # pins the equality with rope_apply / rope_invert.
+    x = x.astype(mx.float32)
+    d = x.shape[-1]
+    theta = positions.astype(mx.float32)[..., None] * inv_freqs
+    c, s = mx.cos(theta), sign * mx.sin(theta)
+    if traditional:
+        a, b = x[..., 0::2], x[..., 1::2]
+    else:
+        a, b = x[..., : d // 2], x[..., d // 2 :]
+    ra, rb = a * c - b * s, a * s + b * c
+    if traditional:
+        return mx.stack([ra, rb], axis=-1).reshape(ra.shape[:-1] + (d,))
+    return mx.concatenate([ra, rb], axis=-1)
+
+
+def assign_codes(k_post: mx.array, positions: mx.array, codebook: LayerCodebook, inv_freqs, *, traditional: bool):
+    """CACHE codes: EQ-12 de-rotation of post-RoPE keys at their own positions, then EQ-16 assignment.
+
+    k_post (B, n_kv, t, d) post-RoPE keys, positions (t,) -> codes (B, n_kv, t) in the CODES-DTYPE dtype.
+    Work is O(t): only the given tokens are touched. Same result as
+    assign_z(far_keys(k_post, positions, ...), Cz, L), without per-call host syncs.
+    """
+    k_pre = _rotate(k_post, positions, inv_freqs, traditional, -1.0)  # EQ-12 far_keys
+    z = k_pre @ codebook.L  # EQ-16, per KV head: (B, n_kv, t, d) @ (n_kv, d, d)
+    bias = mx.sum(codebook.Cz * codebook.Cz, axis=-1)[:, None, :]
+    return nearest_rows(z, codebook.Cz, bias).astype(mx_code_dtype(codebook.K))  # ties -> lowest index
+
+
+def decode_gather(queries, keys, values, codes, codebook: LayerCodebook, *, query_pos: int, config: A2ATSConfig,
+                  inv_freqs, traditional: bool, scale=None):
+    """RET-DECODE runtime path (same result as retrieval.decode_attention_gather, no host syncs).
+
+    Returns (out (B, n_q, 1, dv) in the value dtype, idx (B, n_kv, S) selected token indices, each
+    selected token at least once).
+    """
+    B, n_q, _, d = queries.shape
+    n_kv, T = keys.shape[1], keys.shape[2]
+    w, sinks, topk = config.w, config.sinks, config.topk
+    G, i, w, sinks, n_cand = _ret._check_select_args(T, n_q, n_kv, query_pos, w, sinks, topk)
+    s = _ret._scale(scale, d)
+    q = queries[:, :, 0, :].astype(mx.float32)
+    qb = _rotate(_rotate(q, mx.array(i), inv_freqs, traditional, -1.0), mx.array(config.b), inv_freqs, traditional, 1.0)
+    lut = (s * qb.reshape(B, n_kv, G, d)) @ mx.swapaxes(codebook.C, -1, -2)  # RET-LUT (B, n_kv, G, K)
+    idx_codes = mx.broadcast_to(codes.astype(mx.int32)[:, :, None, :], (B, n_kv, G, T))
+    scores = mx.take_along_axis(lut, idx_codes, axis=-1)  # (B, n_kv, G, T)
+    fixed = list(range(min(sinks, i + 1))) + list(range(max(min(sinks, i + 1), i + 1 - w), i + 1))
+    k = min(topk_count(T, topk), n_cand)  # RET-TOPK
+    parts = [mx.broadcast_to(mx.array(fixed, dtype=mx.int32), (B, n_kv, len(fixed)))] if fixed else []
+    if k:
+        _, _, cand = _ret._fixed_sets(T, i, w, sinks)
+        parts.append(_ret._topk_indices(scores, cand, k).astype(mx.int32).reshape(B, n_kv, G * k))
+    idx = mx.sort(mx.concatenate(parts, axis=-1), axis=-1)  # RET-SELECT: union over the group + fixed set
+    dup = mx.concatenate([mx.zeros((B, n_kv, 1), dtype=mx.bool_), idx[..., 1:] == idx[..., :-1]], axis=-1)
+    bias = mx.where(dup, -mx.inf, 0.0)[:, :, None, :]
+    k_sel = mx.take_along_axis(keys, idx[..., None], axis=2).astype(mx.float32)
+    v_sel = mx.take_along_axis(values, idx[..., None], axis=2).astype(mx.float32)
+    out = _ret._attend(queries.astype(mx.float32).reshape(B, n_kv, G, d), k_sel, v_sel, bias, s, values.dtype)
+    return out.reshape(B, n_q, 1, values.shape[-1]), idx
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+class A2ATSCache(_BaseCache):
+    """mlx-lm KV cache with A2ATS codes; see the module docstring.
+
+    Public read-only views for adapters: `keys_and_values()`, `codes_view()` (B, n_kv, T),
+    `positions` (T,), `decode(queries, scale=...)`, `last_selection` (B, n_kv, T) bool after a decode.
+    """
+
+    step = 256
+
+    def __init__(self, codebook: LayerCodebook, inv_freqs, traditional: bool, config: Optional[A2ATSConfig] = None):
+        if not isinstance(codebook, LayerCodebook):
+            raise ValueError(
+                f"codebook: expected a LayerCodebook (one layer of an A2ATSCodebook), got {type(codebook).__name__}; "
+                "build caches with make_a2ats_cache(model, codebook, config)"
+            )
+        config = A2ATSConfig() if config is None else config
+        if not isinstance(config, A2ATSConfig):
+            raise ValueError(f"config: expected an A2ATSConfig, got {type(config).__name__}")
+        self.codebook = codebook
+        self.inv_freqs = checks.check_inv_freqs(inv_freqs, codebook.head_dim)
+        self.traditional = bool(traditional)
+        self.config = config
+        self.keys = None
+        self.values = None
+        self.codes = None
+        self.offset = 0
+        self._last_indices = None
+
+    # ---- mlx-lm protocol
+    def update_and_fetch(self, keys, values):
+        self._check_kv(keys, values)
+        prev, t = self.offset, keys.shape[2]
+        if self.keys is None or prev + t > self.keys.shape[2]:
+            self._grow(keys, values, prev, t)
+        new_codes = assign_codes(
+            keys, mx.arange(prev, prev + t), self.codebook, self.inv_freqs, traditional=self.traditional
+        )
+        self.offset += t
+        self.keys[..., prev : self.offset, :] = keys
+        self.values[..., prev : self.offset, :] = values
+        self.codes[..., prev : self.offset] = new_codes
+        return self.keys_and_values()
+
+    def _grow(self, keys, values, prev, t):
+        B, n_kv, _, dk = keys.shape
+        n = (self.step + t - 1) // self.step * self.step
+        new_k = mx.zeros((B, n_kv, n, dk), keys.dtype)
+        new_v = mx.zeros((B, n_kv, n, values.shape[3]), values.dtype)
+        new_c = mx.zeros((B, n_kv, n), mx_code_dtype(self.codebook.K))
+        if self.keys is None:
+            self.keys, self.values, self.codes = new_k, new_v, new_c
+            return
+        if prev % self.step != 0:
+            self.keys, self.values, self.codes = self.keys[..., :prev, :], self.values[..., :prev, :], self.codes[..., :prev]
+        self.keys = mx.concatenate([self.keys, new_k], axis=2)
+        self.values = mx.concatenate([self.values, new_v], axis=2)
+        self.codes = mx.concatenate([self.codes, new_c], axis=2)
+
+    def _check_kv(self, keys, values):
+        cb = self.codebook
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+            raise ValueError(
+                f"keys/values: expected (B, n_kv_heads, T, head_dim) arrays with matching leading dims, got "
+                f"{tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        if keys.shape[1] != cb.n_kv_heads or keys.shape[3] != cb.head_dim:
+            raise ValueError(
+                f"keys: shape {tuple(keys.shape)} does not match the codebook (n_kv_heads={cb.n_kv_heads}, "
+                f"head_dim={cb.head_dim}); use the codebook calibrated for this model"
+            )
+        if self.keys is not None and self.offset and keys.shape[0] != self.keys.shape[0]:
+            raise ValueError(f"keys: batch size {keys.shape[0]} differs from the cached batch size {self.keys.shape[0]}")
+
+    def keys_and_values(self):
+        if self.offset < self.keys.shape[2]:
+            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys, self.values
+
+    def codes_view(self) -> mx.array:
+        """Codes of the cached tokens, (B, n_kv, T)."""
+        if self.codes is None:
+            return mx.zeros((0, self.codebook.n_kv_heads, 0), mx_code_dtype(self.codebook.K))
+        return self.codes[..., : self.offset]
+
+    @property
+    def positions(self) -> mx.array:
+        """RoPE position of every cached token (its index: no left padding)."""
+        return mx.arange(self.offset)
+
+    def size(self):
+        return self.offset
+
+    def empty(self):
+        return self.keys is None
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        n = min(self.offset, n)
+        self.offset -= n
+        self._last_indices = None
+        return n
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        return create_attention_mask(N, self.offset, return_array=return_array, window_size=window_size)
+
+    @property
+    def nbytes(self):
+        """Bytes of the allocated key, value and code buffers (capacity, like KVCache.nbytes).
+
+        The codebook is shared by all caches of a model and is not counted (see codebook.nbytes).
+        """
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes + self.codes.nbytes
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return ()
+        k, v = self.keys_and_values()
+        return k, v, self.codes_view()
+
+    @state.setter
+    def state(self, v):
+        if v is None or len(v) == 0:
+            self.keys = self.values = self.codes = None
+            self.offset = 0
+            return
+        keys, values, codes = v
+        if codes.shape != keys.shape[:3] or values.shape[:3] != keys.shape[:3]:
+            raise ValueError(
+                f"state: expected keys (B, n_kv, T, d), values (B, n_kv, T, dv), codes (B, n_kv, T); got "
+                f"{tuple(keys.shape)}, {tuple(values.shape)}, {tuple(codes.shape)}"
+            )
+        self.keys, self.values, self.codes = keys, values, codes
+        self.offset = keys.shape[2]
+        self._last_indices = None
+
+    @property
+    def meta_state(self):
+        inv = [float(x).hex() for x in self.inv_freqs.tolist()]
+        return (self.config.to_json(), json.dumps({"traditional": self.traditional, "inv_freqs": inv}))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        cfg, rope = v
+        self.config = A2ATSConfig.from_json(cfg)
+        r = json.loads(rope)
+        self.traditional = bool(r["traditional"])
+        self.inv_freqs = mx.array([float.fromhex(x) for x in r["inv_freqs"]], dtype=mx.float32)
+
+    @classmethod
+    def from_state(cls, state, meta_state=None, *, codebook: Optional[LayerCodebook] = None):
+        """Rebuild from `state` and `meta_state`; needs this layer's codebook.
+
+        mlx-lm's load_prompt_cache cannot call this (it only rebuilds its own classes and passes no
+        codebook): use a2ats_ref.cache_io.load_a2ats_cache(path, codebook) instead.
+        """
+        if codebook is None or meta_state is None:
+            raise ValueError(
+                "A2ATSCache.from_state needs meta_state and codebook=<LayerCodebook>; to load a saved cache "
+                "use a2ats_ref.cache_io.load_a2ats_cache(path, codebook) (mlx-lm's load_prompt_cache cannot)"
+            )
+        cfg_json, rope_json = meta_state
+        r = json.loads(rope_json)
+        obj = cls(codebook, mx.array([float.fromhex(x) for x in r["inv_freqs"]], dtype=mx.float32),
+                  bool(r["traditional"]), A2ATSConfig.from_json(cfg_json))
+        obj.state = state
+        return obj
+
+    # ---- A2ATS attention
+    def decode(self, queries: mx.array, *, scale: Optional[float] = None) -> mx.array:
+        """RET-DECODE for the newest token: queries (B, n_q, 1, d) post-RoPE at position offset-1.
+
+        Call after update_and_fetch appended that token (mlx-lm's order). Returns (B, n_q, 1, dv)
+        in the value dtype, and records the selected set in `last_selection` (B, n_kv, T) bool.
+        """
+        if self.keys is None or self.offset == 0:
+            raise ValueError("decode: the cache is empty; append the query's own key/value first (update_and_fetch)")
+        if queries.ndim != 4 or queries.shape[2] != 1 or queries.shape[0] != self.keys.shape[0]:
+            raise ValueError(
+                f"queries: expected (B={self.keys.shape[0]}, n_q, 1, {self.codebook.head_dim}) post-RoPE, "
+                f"got {tuple(queries.shape)}"
+            )
+        keys, values = self.keys_and_values()
+        cfg = self.config
+        out, idx = decode_gather(
+            queries, keys, values, self.codes_view(), self.codebook, query_pos=self.offset - 1, config=self.config,
+            inv_freqs=self.inv_freqs, traditional=self.traditional, scale=scale,
+        )
+        self._last_indices = idx  # every index in idx is selected (duplicates only repeat one)
+        return out
+
+    @property
+    def last_selection(self) -> Optional[mx.array]:
+        """Bool (B, n_kv, T) mask of the tokens the last decode attended to (None before a decode)."""
+        if self._last_indices is None:
+            return None
+        sel = mx.zeros(self.codes_view().shape, dtype=mx.bool_)
+        return mx.put_along_axis(sel, self._last_indices, mx.array(True), axis=-1)
+        return out
+
+    def __repr__(self):
+        c = self.config
+        return (f"A2ATSCache(offset={self.offset}, n_kv_heads={self.codebook.n_kv_heads}, K={self.codebook.K}, "
+                f"w={c.w}, b={c.b}, sinks={c.sinks}, topk={c.topk})")
+
+
+# --------------------------------------------------------------------------- building caches for a model
+
+
+def attention_modules(model) -> list:
+    """The attention module of every layer (the child that owns `rope`), in layer order."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ValueError(f"model: {type(model).__name__} has no .layers; A2ATS supports mlx-lm decoder models")
+    out = []
+    for i, layer in enumerate(layers):
+        attn = None
+        for name in ("self_attn", "attention", "attn"):
+            m = getattr(layer, name, None)
+            if m is not None and hasattr(m, "rope"):
+                attn = m
+                break
+        if attn is None:
+            raise ValueError(
+                f"model: layer {i} ({type(layer).__name__}) has no attention module with a `rope` "
+                "(looked for self_attn/attention/attn); this architecture is not supported"
+            )
+        out.append(attn)
+    return out
+
+
+def _head_dims(model, attn) -> tuple[int, int]:
+    args = getattr(model, "args", None)
+    n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None) \
+        or getattr(args, "num_key_value_heads", None)
+    d = getattr(attn, "head_dim", None)
+    if d is None:
+        n_q = getattr(attn, "n_heads", None) or getattr(attn, "num_heads", None)
+        d = attn.q_proj.weight.shape[0] // n_q if n_q else None
+    if n_kv is None or d is None:
+        raise ValueError(f"model: cannot read n_kv_heads/head_dim from {type(attn).__name__}")
+    return int(n_kv), int(d)
+
+
+def make_a2ats_cache(
+    model,
+    codebook=None,
+    config: Optional[A2ATSConfig] = None,
+    *,
+    allow_random_codebook: bool = False,
+) -> list:
+    """One A2ATSCache per layer of an mlx-lm model (use as `prompt_cache=`).
+
+    codebook: an A2ATSCodebook (or .Cz/.L object, or (Cz, L)) calibrated for this model; it must
+    match the layer count, n_kv_heads and head_dim. Without one this raises, unless
+    allow_random_codebook=True (wiring tests only: a random codebook is built and a warning issued).
+    Call a2ats_ref.hook.enable_a2ats(model) once so the model's attention uses the caches.
+    """
+    config = A2ATSConfig() if config is None else config
+    if not isinstance(config, A2ATSConfig):
+        raise ValueError(f"config: expected an A2ATSConfig (or None for the defaults), got {type(config).__name__}")
+    attns = attention_modules(model)
+    n_kv, d = _head_dims(model, attns[0])
+    if codebook is None:
+        if not allow_random_codebook:
+            raise ValueError(
+                "codebook: A2ATS needs a codebook calibrated for this model (a2ats-calibrate); pass "
+                "make_a2ats_cache(model, codebook, config). For wiring tests only, pass allow_random_codebook=True."
+            )
+        codebook = random_codebook(len(attns), n_kv, d, 256)
+    codebook = A2ATSCodebook.coerce(codebook)
+    if codebook.random:
+        warnings.warn(RANDOM_CODEBOOK_WARNING, UserWarning, stacklevel=2)
+    if codebook.n_layers != len(attns):
+        raise ValueError(f"codebook: has {codebook.n_layers} layers, the model has {len(attns)}; use this model's codebook")
+    if hasattr(model, "make_cache"):
+        kinds = {type(c).__name__ for c in model.make_cache() if type(c) is not KVCache}
+        if kinds:
+            raise ValueError(
+                f"model: its own make_cache() uses {sorted(kinds)} for some layers (sliding-window or non-attention "
+                "layers); A2ATS supports models whose every layer is full attention with a plain KVCache"
+            )
+    caches = []
+    for i, attn in enumerate(attns):
+        n_kv_i, d_i = _head_dims(model, attn)
+        lc = codebook.layers[i]
+        if (lc.n_kv_heads, lc.head_dim) != (n_kv_i, d_i):
+            raise ValueError(
+                f"codebook: layer {i} has n_kv_heads={lc.n_kv_heads}, head_dim={lc.head_dim}; the model has "
+                f"n_kv_heads={n_kv_i}, head_dim={d_i}; use this model's codebook"
+            )
+        inv, trad = rope_params_from_module(attn.rope, head_dim=d_i)
+        caches.append(A2ATSCache(lc, inv, trad, config))
+    return caches
+
