@@ -34,10 +34,10 @@ from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from . import checks
 from .codes import mx_code_dtype
-from . import retrieval as _ret
-from .eq14_assign import nearest_rows
+from .eq12_far_keys import far_keys_unchecked
+from .eq16_z_transform import assign_z_unchecked
 from .eq18_back_transform import back_transform
-from .retrieval import topk_count
+from .retrieval import attention_scale, decode_gather_unchecked, gqa_group
 from .rope import rope_params_from_module
 
 __all__ = [
@@ -49,7 +49,6 @@ __all__ = [
     "random_codebook",
     "attention_modules",
     "assign_codes",
-    "decode_gather",
 ]
 
 RANDOM_CODEBOOK_WARNING = (
@@ -139,14 +138,9 @@ class LayerCodebook:
         if L.shape != (n_kv, d, d):
             raise ValueError(f"L: expected Cholesky factors of shape ({n_kv}, {d}, {d}) to match Cz, got {tuple(L.shape)}")
         checks.check_lower_triangular(L, "L")
-        C = _back_transform(Cz, L)
+        C = back_transform(Cz, L)  # EQ-18, batched over KV heads
         mx.eval(C)
         return cls(Cz=Cz, L=L, C=C)
-
-
-def _back_transform(Cz: mx.array, L: mx.array) -> mx.array:
-    """EQ-18: key-space codebook C = Cz L^-1, batched over KV heads."""
-    return back_transform(Cz, L)
 
 
 class A2ATSCodebook:
@@ -224,67 +218,17 @@ def random_codebook(n_layers: int, n_kv_heads: int, head_dim: int, K: int = 256,
 # --------------------------------------------------------------------------- code assignment
 
 
-def _rotate(x: mx.array, positions: mx.array, inv_freqs: mx.array, traditional: bool, sign: float) -> mx.array:
-    # rope._rotate's float32 math (bit-identical) minus its host-syncing input checks, for the per-token
-    # hot path; the cache validates shapes and parameters once, when it is built. test_cache_fastpath
-    # pins the equality with rope_apply / rope_invert.
-    x = x.astype(mx.float32)
-    d = x.shape[-1]
-    theta = positions.astype(mx.float32)[..., None] * inv_freqs
-    c, s = mx.cos(theta), sign * mx.sin(theta)
-    if traditional:
-        a, b = x[..., 0::2], x[..., 1::2]
-    else:
-        a, b = x[..., : d // 2], x[..., d // 2 :]
-    ra, rb = a * c - b * s, a * s + b * c
-    if traditional:
-        return mx.stack([ra, rb], axis=-1).reshape(ra.shape[:-1] + (d,))
-    return mx.concatenate([ra, rb], axis=-1)
-
-
 def assign_codes(k_post: mx.array, positions: mx.array, codebook: LayerCodebook, inv_freqs, *, traditional: bool):
     """CACHE codes: EQ-12 de-rotation of post-RoPE keys at their own positions, then EQ-16 assignment.
 
     k_post (B, n_kv, t, d) post-RoPE keys, positions (t,) -> codes (B, n_kv, t) in the CODES-DTYPE dtype.
     Work is O(t): only the given tokens are touched. Same result as
-    assign_z(far_keys(k_post, positions, ...), Cz, L), without per-call host syncs.
+    assign_z(far_keys(k_post, positions, ...), Cz, L); it calls their unchecked kernels because the
+    checks cost host syncs on every token and the cache has validated its inputs already.
     """
-    k_pre = _rotate(k_post, positions, inv_freqs, traditional, -1.0)  # EQ-12 far_keys
-    z = k_pre @ codebook.L  # EQ-16, per KV head: (B, n_kv, t, d) @ (n_kv, d, d)
-    bias = mx.sum(codebook.Cz * codebook.Cz, axis=-1)[:, None, :]
-    return nearest_rows(z, codebook.Cz, bias).astype(mx_code_dtype(codebook.K))  # ties -> lowest index
-
-
-def decode_gather(queries, keys, values, codes, codebook: LayerCodebook, *, query_pos: int, config: A2ATSConfig,
-                  inv_freqs, traditional: bool, scale=None):
-    """RET-DECODE runtime path (same result as retrieval.decode_attention_gather, no host syncs).
-
-    Returns (out (B, n_q, 1, dv) in the value dtype, idx (B, n_kv, S) selected token indices, each
-    selected token at least once).
-    """
-    B, n_q, _, d = queries.shape
-    n_kv, T = keys.shape[1], keys.shape[2]
-    w, sinks, topk = config.w, config.sinks, config.topk
-    G, i, w, sinks, n_cand = _ret._check_select_args(T, n_q, n_kv, query_pos, w, sinks, topk)
-    s = _ret._scale(scale, d)
-    q = queries[:, :, 0, :].astype(mx.float32)
-    qb = _rotate(_rotate(q, mx.array(i), inv_freqs, traditional, -1.0), mx.array(config.b), inv_freqs, traditional, 1.0)
-    lut = (s * qb.reshape(B, n_kv, G, d)) @ mx.swapaxes(codebook.C, -1, -2)  # RET-LUT (B, n_kv, G, K)
-    idx_codes = mx.broadcast_to(codes.astype(mx.int32)[:, :, None, :], (B, n_kv, G, T))
-    scores = mx.take_along_axis(lut, idx_codes, axis=-1)  # (B, n_kv, G, T)
-    fixed = list(range(min(sinks, i + 1))) + list(range(max(min(sinks, i + 1), i + 1 - w), i + 1))
-    k = min(topk_count(T, topk), n_cand)  # RET-TOPK
-    parts = [mx.broadcast_to(mx.array(fixed, dtype=mx.int32), (B, n_kv, len(fixed)))] if fixed else []
-    if k:
-        _, _, cand = _ret._fixed_sets(T, i, w, sinks)
-        parts.append(_ret._topk_indices(scores, cand, k).astype(mx.int32).reshape(B, n_kv, G * k))
-    idx = mx.sort(mx.concatenate(parts, axis=-1), axis=-1)  # RET-SELECT: union over the group + fixed set
-    dup = mx.concatenate([mx.zeros((B, n_kv, 1), dtype=mx.bool_), idx[..., 1:] == idx[..., :-1]], axis=-1)
-    bias = mx.where(dup, -mx.inf, 0.0)[:, :, None, :]
-    k_sel = mx.take_along_axis(keys, idx[..., None], axis=2).astype(mx.float32)
-    v_sel = mx.take_along_axis(values, idx[..., None], axis=2).astype(mx.float32)
-    out = _ret._attend(queries.astype(mx.float32).reshape(B, n_kv, G, d), k_sel, v_sel, bias, s, values.dtype)
-    return out.reshape(B, n_q, 1, values.shape[-1]), idx
+    f32 = mx.float32
+    k_pre = far_keys_unchecked(k_post.astype(f32), positions.astype(f32), inv_freqs, traditional=traditional)
+    return assign_z_unchecked(k_pre, codebook.Cz, codebook.L)  # (B, n_kv, t, d) against per-head (n_kv, K, d)
 
 
 # --------------------------------------------------------------------------- the cache
@@ -471,16 +415,21 @@ class A2ATSCache(_BaseCache):
         """
         if self.keys is None or self.offset == 0:
             raise ValueError("decode: the cache is empty; append the query's own key/value first (update_and_fetch)")
-        if queries.ndim != 4 or queries.shape[2] != 1 or queries.shape[0] != self.keys.shape[0]:
+        cb, cfg = self.codebook, self.config
+        if (queries.ndim != 4 or queries.shape[2] != 1 or queries.shape[0] != self.keys.shape[0]
+                or queries.shape[3] != cb.head_dim):
             raise ValueError(
-                f"queries: expected (B={self.keys.shape[0]}, n_q, 1, {self.codebook.head_dim}) post-RoPE, "
+                f"queries: expected (B={self.keys.shape[0]}, n_q, 1, {cb.head_dim}) post-RoPE, "
                 f"got {tuple(queries.shape)}"
             )
+        gqa_group(queries.shape[1], cb.n_kv_heads)
+        # Everything else was validated when the cache was built or appended to, so the kernel runs
+        # without the clause function's checks (and their host syncs).
         keys, values = self.keys_and_values()
-        cfg = self.config
-        out, idx = decode_gather(
-            queries, keys, values, self.codes_view(), self.codebook, query_pos=self.offset - 1, config=self.config,
-            inv_freqs=self.inv_freqs, traditional=self.traditional, scale=scale,
+        out, idx, _ = decode_gather_unchecked(
+            queries, keys, values, self.codes_view(), cb.C, query_pos=self.offset - 1, b=cfg.b, w=cfg.w,
+            sinks=cfg.sinks, topk=cfg.topk, inv_freqs=self.inv_freqs, traditional=self.traditional,
+            scale=attention_scale(scale, cb.head_dim),
         )
         self._last_indices = idx  # every index in idx is selected (duplicates only repeat one)
         return out
@@ -492,7 +441,6 @@ class A2ATSCache(_BaseCache):
             return None
         sel = mx.zeros(self.codes_view().shape, dtype=mx.bool_)
         return mx.put_along_axis(sel, self._last_indices, mx.array(True), axis=-1)
-        return out
 
     def __repr__(self):
         c = self.config

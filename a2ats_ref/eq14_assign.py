@@ -15,7 +15,8 @@ from .codes import mx_code_dtype
 ROW_CHUNK = 8192
 
 
-def _check_codebook_args(k, C, M, k_name: str, C_name: str, M_name: str):
+def check_codebook_args(k, C, M, k_name: str, C_name: str, M_name: str):
+    """EQ-14/EQ-16 preconditions: float32 (k, C, M) and d; batched codebooks need a token axis on k."""
     k = checks.as_float(k, k_name)
     C = checks.as_float(C, C_name)
     M = checks.as_float(M, M_name)
@@ -43,7 +44,7 @@ def nearest_rows(x: mx.array, Y: mx.array, bias: mx.array) -> mx.array:
 
 def assign(k, C, H) -> mx.array:
     """EQ-14: k (..., d), C (K, d) or (..., K, d), H (d, d) or (..., d, d) -> codes (...) uint8/uint16."""
-    k, C, H, d = _check_codebook_args(k, C, H, "k", "C", "H")
+    k, C, H, d = check_codebook_args(k, C, H, "k", "C", "H")
     checks.check_symmetric(H, "H")
     K = C.shape[-2]
     flat = C.ndim == 2 and H.ndim == 2

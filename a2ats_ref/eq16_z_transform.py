@@ -1,7 +1,8 @@
 """EQ-16 — whitening: z = k L turns the H-weighted error into a Euclidean one.
 
 (k - c) H (k - c)^T = ||k L - c L||^2 when H = L L^T, so the runtime assignment
-is the nearest z-space codeword Cz (= C L) to k L.
+is the nearest z-space codeword Cz (= C L) to k L. assign_z validates and calls
+assign_z_unchecked, the kernel the cache runs on every appended token.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import mlx.core as mx
 
 from . import checks
 from .codes import mx_code_dtype
-from .eq14_assign import _check_codebook_args, nearest_rows
+from .eq14_assign import check_codebook_args, nearest_rows
 
 
 def z_transform(k, L) -> mx.array:
@@ -25,13 +26,16 @@ def z_transform(k, L) -> mx.array:
     return k @ L
 
 
+def assign_z_unchecked(k: mx.array, Cz: mx.array, L: mx.array) -> mx.array:
+    """EQ-16 kernel of assign_z, no validation: float32 k (..., N, d), Cz (..., K, d), L (..., d, d) -> codes (..., N)."""
+    bias = mx.sum(Cz * Cz, axis=-1)[..., None, :]
+    return nearest_rows(k @ L, Cz, bias).astype(mx_code_dtype(Cz.shape[-2]))
+
+
 def assign_z(k, Cz, L) -> mx.array:
     """EQ-16: codes = argmin_j ||k L - Cz_j||^2; Cz (K, d) or (..., K, d) -> codes (...) uint8/uint16."""
-    k, Cz, L, d = _check_codebook_args(k, Cz, L, "k", "Cz", "L")
+    k, Cz, L, d = check_codebook_args(k, Cz, L, "k", "Cz", "L")
     checks.check_lower_triangular(L, "L")
-    K = Cz.shape[-2]
     flat = Cz.ndim == 2 and L.ndim == 2
-    z = (k.reshape(-1, d) if flat else k) @ L
-    bias = mx.sum(Cz * Cz, axis=-1)[..., None, :]
-    codes = nearest_rows(z, Cz, bias)
-    return codes.reshape(k.shape[:-1]).astype(mx_code_dtype(K))
+    codes = assign_z_unchecked(k.reshape(-1, d) if flat else k, Cz, L)
+    return codes.reshape(k.shape[:-1])

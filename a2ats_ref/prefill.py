@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import checks
-from .retrieval import _attend, _group, _scale
+from .retrieval import attend, attention_scale, gqa_group
 
 
 def prefill_attention(q, k, v, *, scale=None) -> mx.array:
@@ -29,10 +29,10 @@ def prefill_attention(q, k, v, *, scale=None) -> mx.array:
         raise ValueError(f"v: expected shape (..., {n_kv}, {Tk}, dv) to match k, got {tuple(v.shape)}")
     if Tq < 1 or Tk < Tq:
         raise ValueError(f"q, k: need 1 <= Tq <= Tk (queries are the last Tq cached tokens), got Tq={Tq}, Tk={Tk}")
-    G = _group(n_q, n_kv)
+    G = gqa_group(n_q, n_kv)
     checks.check_broadcast(q.shape[:-3], k.shape[:-3], "q[..., :-3]", "k[..., :-3]")
     qpos = mx.arange(Tk - Tq, Tk)
     bias = mx.where(mx.arange(Tk)[None, :] <= qpos[:, None], 0.0, -mx.inf)  # (Tq, Tk)
     qg = q.reshape(q.shape[:-3] + (n_kv, G * Tq, d))
-    out = _attend(qg, k, v, mx.tile(bias, (G, 1)), _scale(scale, d), vdt)
+    out = attend(qg, k, v, mx.tile(bias, (G, 1)), attention_scale(scale, d), vdt)
     return out.reshape(out.shape[:-3] + (n_q, Tq, v.shape[-1]))

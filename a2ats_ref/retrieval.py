@@ -8,7 +8,8 @@ Query head h reads KV head h // G (contiguous groups, as in mlx-lm).
 
 decode_step is the clause function (a dense boolean mask over all T tokens);
 decode_attention_gather is the runtime path: it gathers only the selected rows,
-so attention costs O(selected) instead of O(T).
+so attention costs O(selected) instead of O(T). Its kernel, decode_gather_unchecked,
+skips validation and is what the cache calls on every decode step.
 """
 
 from __future__ import annotations
@@ -19,17 +20,18 @@ import numbers
 import mlx.core as mx
 
 from . import checks
-from .eq12_far_keys import far_query
-from .rope import rotate_unchecked
+from .eq12_far_keys import far_query, far_query_unchecked
 
 
-def _group(n_q: int, n_kv: int) -> int:
+def gqa_group(n_q: int, n_kv: int) -> int:
+    """Query heads per KV head, G = n_q / n_kv (ValueError unless n_kv divides n_q)."""
     if n_kv <= 0 or n_q % n_kv:
         raise ValueError(f"n_kv_heads: {n_kv} KV heads must divide the {n_q} query heads")
     return n_q // n_kv
 
 
-def _scale(scale, d: int) -> float:
+def attention_scale(scale, d: int) -> float:
+    """The softmax scale as a float: 1/sqrt(d) for None, else a validated positive finite number."""
     if scale is None:
         return 1.0 / math.sqrt(d)
     if not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
@@ -47,8 +49,8 @@ def lut_scores(q_b, C, *, scale=None) -> mx.array:
         raise ValueError(f"C: expected codebooks of shape (n_kv, K, {d}), got shape {tuple(C.shape)}")
     checks.check_codebook(C, d)
     n_q, n_kv, K = q.shape[-2], C.shape[0], C.shape[1]
-    G = _group(n_q, n_kv)
-    s = _scale(scale, d)
+    G = gqa_group(n_q, n_kv)
+    s = attention_scale(scale, d)
     qg = q.reshape(q.shape[:-2] + (n_kv, G, d))
     lut = (s * qg) @ mx.swapaxes(C, -1, -2)
     return lut.reshape(q.shape[:-2] + (n_q, K))
@@ -62,7 +64,7 @@ def token_scores(lut, codes) -> mx.array:
     checks.check_ndim(c, "codes", 2, "(..., n_kv, T)")
     n_q, K = lut.shape[-2:]
     n_kv, T = c.shape[-2:]
-    G = _group(n_q, n_kv)
+    G = gqa_group(n_q, n_kv)
     checks.check_codes_range(c, K)
     lead = checks.check_broadcast(lut.shape[:-2], c.shape[:-2], "lut[..., :-2]", "codes[..., :-2]")
     idx = mx.broadcast_to(c.astype(mx.int32)[..., :, None, :], lead + (n_kv, G, T)).reshape(lead + (n_q, T))
@@ -89,9 +91,10 @@ def _fixed_sets(T: int, i: int, w: int, sinks: int):
     return sink, window, causal & ~sink & ~window
 
 
-def _check_select_args(T, n_q, n_kv_heads, query_pos, w, sinks, topk):
+def check_select_args(T, n_q, n_kv_heads, query_pos, w, sinks, topk):
+    """RET-SELECT preconditions (pure Python, no host sync); returns (G, i, w, sinks, n_candidates)."""
     checks.check_pos_int(n_kv_heads, "n_kv_heads")
-    G = _group(n_q, n_kv_heads)
+    G = gqa_group(n_q, n_kv_heads)
     i = checks.check_nonneg_int(query_pos, "query_pos")
     if i >= T:
         raise ValueError(f"query_pos: expected a position in [0, {T - 1}] for {T} scored tokens, got {i}")
@@ -118,7 +121,7 @@ def select_tokens(scores, *, n_kv_heads: int, query_pos: int, w: int, sinks: int
     s = checks.as_float(scores, "scores")
     checks.check_ndim(s, "scores", 2, "(..., n_q, T)")
     n_q, T = s.shape[-2:]
-    G, i, w, sinks, _ = _check_select_args(T, n_q, n_kv_heads, query_pos, w, sinks, topk)
+    G, i, w, sinks, _ = check_select_args(T, n_q, n_kv_heads, query_pos, w, sinks, topk)
     k = topk_count(i + 1, topk, _n_candidates(i, w, sinks))
     sink, window, cand = _fixed_sets(T, i, w, sinks)
     lead = s.shape[:-2]
@@ -131,8 +134,8 @@ def select_tokens(scores, *, n_kv_heads: int, query_pos: int, w: int, sinks: int
     return keep | picked
 
 
-def _attend(q, k, v, bias, scale: float, out_dtype) -> mx.array:
-    """Grouped softmax attention; q (..., n_kv, G, d), k/v (..., n_kv, S, *), bias (..., n_kv, 1 or G, S)."""
+def attend(q, k, v, bias, scale: float, out_dtype) -> mx.array:
+    """Grouped softmax attention (RET-ATTN, PREFILL); q (..., n_kv, G, d), k/v (..., n_kv, S, *), bias (..., n_kv, 1 or G, S)."""
     logits = (scale * q) @ mx.swapaxes(k, -1, -2) + bias
     p = mx.softmax(logits, axis=-1, precise=True)
     return (p @ v).astype(out_dtype)
@@ -158,14 +161,14 @@ def retrieval_attention(q, k, v, mask, *, scale=None) -> mx.array:
         raise ValueError(f"v: expected shape (..., {n_kv}, {T}, dv) to match k, got {tuple(v.shape)}")
     if m.shape[-2:] != (n_kv, T):
         raise ValueError(f"mask: expected shape (..., {n_kv}, {T}) to match k, got {tuple(m.shape)}")
-    G = _group(n_q, n_kv)
+    G = gqa_group(n_q, n_kv)
     if not mx.all(mx.any(m, axis=-1)).item():
         raise ValueError("mask: every KV head needs at least one selected token (found an empty row)")
     lead = checks.check_broadcast(q.shape[:-2], k.shape[:-3], "q[..., :-2]", "k[..., :-3]")
     lead = checks.check_broadcast(lead, m.shape[:-2], "q/k leading dims", "mask[..., :-2]")
     qg = q.reshape(q.shape[:-2] + (n_kv, G, d))
     bias = mx.where(m, 0.0, -mx.inf)[..., :, None, :]
-    out = _attend(qg, k, v, bias, _scale(scale, d), vdt)
+    out = attend(qg, k, v, bias, attention_scale(scale, d), vdt)
     return out.reshape(out.shape[:-3] + (n_q, v.shape[-1]))
 
 
@@ -201,9 +204,8 @@ def decode_attention_gather(
 
     queries (B, n_q, 1, d) post-RoPE at query_pos; keys/values (B, n_kv, T, d|dv) post-RoPE;
     codes (B, n_kv, T) integer; C (n_kv, K, d) float32 key-space codebooks -> (B, n_q, 1, dv).
-    Only shapes are checked (no host syncs). It gathers a fixed budget per KV head:
-    sinks + window + G * k indices; duplicates (one token picked by several heads of a
-    group) are masked out after a sort, so each selected token counts once.
+    Only shapes and parameters are checked (no host syncs); decode_gather_unchecked does the work.
+    With return_indices, also returns idx (B, n_kv, S) and valid (B, n_kv, S) (see the kernel).
     """
     if queries.ndim != 4 or queries.shape[-2] != 1:
         raise ValueError(f"queries: expected shape (B, n_q, 1, d), got {tuple(queries.shape)}")
@@ -223,16 +225,31 @@ def decode_attention_gather(
         raise ValueError(f"inv_freqs: expected an mx.array of shape ({d // 2},), got {getattr(inv_freqs, 'shape', inv_freqs)!r}")
     if C.ndim != 3 or C.shape[0] != n_kv or C.shape[-1] != d:
         raise ValueError(f"C: expected codebooks of shape ({n_kv}, K, {d}), got shape {tuple(C.shape)}")
-    G, i, w, sinks, _ = _check_select_args(T, n_q, n_kv, query_pos, w, sinks, topk)
-    s = _scale(scale, d)
-    vdt = values.dtype
+    _, i, w, sinks, _ = check_select_args(T, n_q, n_kv, query_pos, w, sinks, topk)
+    s = attention_scale(scale, d)
+    b = checks.check_nonneg_int(b, "b")
+    out, idx, valid = decode_gather_unchecked(
+        queries, keys, values, codes, C.astype(mx.float32), query_pos=i, b=b, w=w, sinks=sinks, topk=topk,
+        inv_freqs=inv_freqs.astype(mx.float32), traditional=traditional, scale=s,
+    )
+    return (out, idx, valid) if return_indices else out
 
+
+def decode_gather_unchecked(queries, keys, values, codes, C, *, query_pos: int, b: int, w: int, sinks: int, topk,
+                            inv_freqs, traditional: bool, scale: float):
+    """RET-DECODE kernel of decode_attention_gather: no validation, hence no host syncs (the cache's decode).
+
+    Expects what decode_attention_gather has checked: mlx-lm layout shapes that agree, n_kv dividing n_q,
+    0 <= query_pos < T, valid w/sinks/topk/b, float32 C and inv_freqs, a float scale.
+    Returns (out (B, n_q, 1, dv) in the value dtype, idx (B, n_kv, S) sorted token indices, valid (B, n_kv, S):
+    False on repeats of the previous index, which attention masks out).
+    """
+    B, n_q, _, d = queries.shape
+    n_kv, T = keys.shape[1], keys.shape[2]
+    G, i = n_q // n_kv, query_pos
     q = queries[:, :, 0, :].astype(mx.float32)
-    # far_query without its checks (each costs a host sync): undo R_i, then apply R_b.
-    inv = inv_freqs.astype(mx.float32)
-    qb = rotate_unchecked(rotate_unchecked(q, mx.array(float(i)), inv, traditional, -1.0),
-                          mx.array(float(checks.check_nonneg_int(b, "b"))), inv, traditional, 1.0)
-    lut = (s * qb.reshape(B, n_kv, G, d)) @ mx.swapaxes(C.astype(mx.float32), -1, -2)  # (B, n_kv, G, K)
+    qb = far_query_unchecked(q, mx.array(float(b)), inv_freqs, traditional=traditional, positions=mx.array(float(i)))
+    lut = (scale * qb.reshape(B, n_kv, G, d)) @ mx.swapaxes(C, -1, -2)  # (B, n_kv, G, K)
     idx_codes = mx.broadcast_to(codes.astype(mx.int32)[:, :, None, :], (B, n_kv, G, T))
     scores = mx.take_along_axis(lut, idx_codes, axis=-1)  # (B, n_kv, G, T)
 
@@ -243,12 +260,13 @@ def decode_attention_gather(
         _, _, cand = _fixed_sets(T, i, w, sinks)
         top = _topk_indices(scores, cand, k).astype(mx.int32)  # (B, n_kv, G, k)
         parts.append(top.reshape(B, n_kv, G * k))
+    # A fixed budget per KV head (sinks + window + G * k) keeps shapes static; a token picked by several
+    # heads of the group is kept once by masking its repeats after the sort.
     idx = mx.sort(mx.concatenate(parts, axis=-1), axis=-1)
     dup = mx.concatenate([mx.zeros((B, n_kv, 1), dtype=mx.bool_), idx[..., 1:] == idx[..., :-1]], axis=-1)
     bias = mx.where(dup, -mx.inf, 0.0)[:, :, None, :]
 
     k_sel = mx.take_along_axis(keys, idx[..., None], axis=2).astype(mx.float32)
     v_sel = mx.take_along_axis(values, idx[..., None], axis=2).astype(mx.float32)
-    out = _attend(queries.astype(mx.float32).reshape(B, n_kv, G, d), k_sel, v_sel, bias, s, vdt)
-    out = out.reshape(B, n_q, 1, values.shape[-1])
-    return (out, idx, ~dup) if return_indices else out
+    out = attend(queries.astype(mx.float32).reshape(B, n_kv, G, d), k_sel, v_sel, bias, scale, values.dtype)
+    return out.reshape(B, n_q, 1, values.shape[-1]), idx, ~dup

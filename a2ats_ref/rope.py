@@ -88,18 +88,22 @@ def rope_params_from_module(rope_module, head_dim: int | None = None) -> tuple[m
     return inv, bool(rope_module.traditional)
 
 
-def _rotate(x, positions, inv_freqs, traditional: bool, sign: float) -> mx.array:
+def rotation_args(x, positions, inv_freqs) -> tuple[mx.array, mx.array, mx.array]:
+    """ROPE-APPLY/ROPE-INVERSE preconditions; returns float32 (x, positions, inv_freqs) for rotate_unchecked."""
     x = checks.as_float(x, "x")
     checks.check_ndim(x, "x", 1, "(..., d)")
     d = checks.check_head_dim(x.shape[-1], "x.shape[-1] (head_dim)")
     w = checks.check_inv_freqs(inv_freqs, d)
     p = checks.as_positions(positions)
     checks.check_broadcast(p.shape, x.shape[:-1], "positions", "x[..., :-1]")
-    return rotate_unchecked(x, p, w, traditional, sign)
+    return x, p, w
 
 
 def rotate_unchecked(x: mx.array, positions: mx.array, inv_freqs: mx.array, traditional: bool, sign: float) -> mx.array:
-    """The rotation without validation or host syncs (decode hot path); float32 x, positions, inv_freqs."""
+    """The rotation (sign=+1: R_p, -1: R_p^T) with no validation, hence no host syncs, for the decode hot path.
+
+    x, positions, inv_freqs must already be float32 (rotation_args makes them so).
+    """
     d = x.shape[-1]
     theta = positions[..., None] * inv_freqs
     c, s = mx.cos(theta), sign * mx.sin(theta)
@@ -115,9 +119,9 @@ def rotate_unchecked(x: mx.array, positions: mx.array, inv_freqs: mx.array, trad
 
 def rope_apply(x, positions, inv_freqs, *, traditional: bool) -> mx.array:
     """ROPE-APPLY: x (..., T, d) rotated by R_p per token; positions broadcast against x.shape[:-1]."""
-    return _rotate(x, positions, inv_freqs, traditional, 1.0)
+    return rotate_unchecked(*rotation_args(x, positions, inv_freqs), traditional, 1.0)
 
 
 def rope_invert(x, positions, inv_freqs, *, traditional: bool) -> mx.array:
     """ROPE-INVERSE: x R_p^T per token, so rope_invert(rope_apply(x, p), p) == x."""
-    return _rotate(x, positions, inv_freqs, traditional, -1.0)
+    return rotate_unchecked(*rotation_args(x, positions, inv_freqs), traditional, -1.0)
