@@ -1,0 +1,1 @@
+"""Adapters shipped with the suite: the MLX reference (default IUT) and the float64 oracle."""

@@ -1,0 +1,177 @@
+"""Adapter for the MLX reference (a2ats_ref): the default implementation under test.
+
+NumPy in, NumPy out: float arrays become mx arrays of the same dtype (float32 arrays become
+bfloat16 when the suite sets ``input_dtype = "bfloat16"``), integer and bool arrays keep their
+dtype; results come back as NumPy (bfloat16 results as float32).  The cache factory wraps
+``a2ats_ref.cache.A2ATSCache`` (batch of one) in the NumPy cache protocol of README-ADAPTER.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import a2ats_ref  # noqa: F401  (first: it loads the fast BLAS, which must happen before mlx is imported)
+import mlx.core as mx
+import numpy as np
+
+from ..adapter import FUNCTION_NAMES
+
+# Where each reference function lives (a2ats_ref/__init__ may re-export them; the lead owns it).
+_MODULES = ("rope", "eq10_query_moment", "eq11_wrope_scores", "eq12_far_keys", "eq13_score_error", "eq14_assign",
+            "eq15_cholesky", "eq16_z_transform", "eq17_kmeans", "eq18_back_transform", "retrieval", "prefill", "codes")
+
+
+def _find(name: str):
+    pkg = importlib.import_module("a2ats_ref")
+    fn = getattr(pkg, name, None)
+    if callable(fn):
+        return fn
+    for m in _MODULES:
+        try:
+            mod = importlib.import_module(f"a2ats_ref.{m}")
+        except ImportError:
+            continue
+        fn = getattr(mod, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def to_mx(x, bf16: bool = False):
+    if isinstance(x, np.ndarray):
+        a = mx.array(x)
+        if bf16 and x.dtype == np.float32:
+            a = a.astype(mx.bfloat16)
+        return a
+    if isinstance(x, (list, tuple)) and x and all(isinstance(v, np.ndarray) for v in x):
+        return type(x)(to_mx(v, bf16) for v in x)
+    return x
+
+
+def to_np(x):
+    if isinstance(x, tuple):
+        return tuple(to_np(v) for v in x)
+    if isinstance(x, list):
+        return [to_np(v) for v in x]
+    if isinstance(x, mx.array):
+        if x.dtype == mx.bfloat16:
+            x = x.astype(mx.float32)
+        return np.array(x)
+    if isinstance(x, mx.Dtype):
+        return np.dtype(str(x).rsplit(".", 1)[-1])
+    return x
+
+
+def wrap(fn, adapter):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        bf16 = getattr(adapter, "input_dtype", None) == "bfloat16"
+        a = [to_mx(v, bf16) for v in args]
+        kw = {k: to_mx(v, bf16 and k not in ("inv_freqs", "uniforms")) for k, v in kwargs.items()}
+        return to_np(fn(*a, **kw))
+    return call
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return f"{version('a2ats-ref')} (mlx {mx.__version__})"
+    except Exception:  # noqa: BLE001 - metadata is optional in a source checkout
+        return f"source (mlx {mx.__version__})"
+
+
+class ReferenceAdapter:
+    """a2ats_ref behind the NumPy adapter protocol."""
+
+    name = "a2ats_ref (MLX reference)"
+    dtypes = ("float32", "float16", "bfloat16")
+
+    def __init__(self):
+        self.version = _version()
+        self.input_dtype = None
+        for fn_name in FUNCTION_NAMES:
+            if callable(getattr(type(self), fn_name, None)):
+                continue  # a subclass (e.g. a mutant) defines it
+            fn = _find(fn_name)
+            if fn is not None:
+                setattr(self, fn_name, wrap(fn, self))
+
+    def make_cache(self, config: dict):
+        return ReferenceCache(config)
+
+
+class ReferenceCache:
+    """NumPy view of one layer's A2ATSCache (batch 1); see README-ADAPTER.md, cache protocol."""
+
+    def __init__(self, config: dict, _cache=None):
+        from a2ats_ref.cache import A2ATSCache, A2ATSConfig, LayerCodebook
+
+        self.config = dict(config)
+        if _cache is None:
+            lc = LayerCodebook.from_z(mx.array(np.asarray(config["Cz"], np.float32)),
+                                      mx.array(np.asarray(config["L"], np.float32)))
+            cfg = A2ATSConfig(w=config["w"], b=config["b"], sinks=config["sinks"], topk=config["topk"])
+            _cache = A2ATSCache(lc, mx.array(np.asarray(config["inv_freqs"], np.float32)),
+                                bool(config["traditional"]), cfg)
+        self._c = _cache
+
+    @property
+    def offset(self) -> int:
+        return int(self._c.offset)
+
+    def append(self, keys_post, values) -> None:
+        self._c.update_and_fetch(mx.array(keys_post)[None], mx.array(values)[None])
+
+    def decode(self, q_post):
+        out = self._c.decode(mx.array(q_post)[None, :, None, :], scale=self.config.get("scale"))
+        return to_np(out[0, :, 0, :]), to_np(self._c.last_selection[0])
+
+    def prefill(self, q_post):
+        from mlx_lm.models.base import scaled_dot_product_attention
+
+        k, v = self._c.keys_and_values()
+        d = q_post.shape[-1]
+        scale = self.config.get("scale") or d ** -0.5
+        out = scaled_dot_product_attention(mx.array(q_post)[None], k, v, cache=self._c, scale=scale, mask="causal")
+        return to_np(out[0])
+
+    def trim(self, n: int) -> int:
+        return int(self._c.trim(n))
+
+    def codes(self):
+        if self.offset == 0:
+            from a2ats_ref.codes import code_dtype
+            return np.zeros((self.config["n_kv_heads"], 0), code_dtype(np.asarray(self.config["Cz"]).shape[1]))
+        return to_np(self._c.codes_view()[0])
+
+    def positions(self):
+        return to_np(self._c.positions)
+
+    def keys_values(self):
+        if self._c.keys is None or self.offset == 0:
+            d = self.config["head_dim"]
+            n_kv = self.config["n_kv_heads"]
+            return np.zeros((n_kv, 0, d), np.float32), np.zeros((n_kv, 0, d), np.float32)
+        k, v = self._c.keys_and_values()
+        return to_np(k[0]), to_np(v[0])
+
+    def save(self, path: str) -> None:
+        from a2ats_ref.cache_io import save_a2ats_cache
+
+        save_a2ats_cache(_st(path), [self._c])
+
+    def load(self, path: str) -> "ReferenceCache":
+        from a2ats_ref.cache import A2ATSCodebook
+        from a2ats_ref.cache_io import load_a2ats_cache
+
+        lc = self._c.codebook
+        cb = A2ATSCodebook(lc.Cz[None], lc.L[None])
+        (cache,) = load_a2ats_cache(_st(path), cb)
+        return ReferenceCache(self.config, cache)
+
+
+def _st(path: str) -> str:
+    path = os.fspath(path)
+    return path if path.endswith(".safetensors") else path + ".safetensors"

@@ -1,0 +1,25 @@
+"""Shared check of a decode result (RET-DECODE, CACHE-DECODE): the selection must be an allowed
+selection under the oracle's scores, and the output exact attention over that selection."""
+
+import numpy as np
+
+from a2ats_spec import oracle
+
+
+def _f64(ctx, x):
+    return ctx.cast(x).astype(np.float64)
+
+
+def check_decode(ctx, out, mask, inp, clause):
+    """mask must be an allowed selection under the oracle's scores; out = exact attention over that mask."""
+    o = {k: (_f64(ctx, v) if isinstance(v, np.ndarray) and v.dtype.kind == "f" else v) for k, v in inp.items()}
+    o["inv_freqs"] = ctx.cast(inp["inv_freqs"], param=True).astype(np.float64)
+    qb = oracle.far_query(o["q_post"], b=o["b"], inv_freqs=o["inv_freqs"], traditional=o["traditional"],
+                          positions=o["query_pos"])
+    scores = oracle.token_scores(oracle.lut_scores(qb, o["C"]), o["codes"])
+    n_kv = o["k_post"].shape[0]
+    must, may = oracle.select_tokens_allowed(scores, n_kv_heads=n_kv, query_pos=o["query_pos"], w=o["w"],
+                                             sinks=o["sinks"], topk=o["topk"], margin=ctx.margin(clause, scores))
+    ctx.assert_mask_allowed(mask, must, may, clause=clause, what="selected set")
+    exact = oracle.retrieval_attention(o["q_post"], o["k_post"], o["v"], np.asarray(mask))
+    ctx.assert_close(out, exact, clause=clause, what="output vs exact attention over the selected post-RoPE keys")

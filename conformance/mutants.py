@@ -1,0 +1,194 @@
+"""Mutant ports: the reference adapter with one realistic bug each.  The suite must reject every
+one of them, on the clause the bug violates (tests/test_mutants.py proves it).
+
+Run one by hand:  a2ats-conformance --iut a2ats_conformance.mutants:FarKeysRotated --clauses EQ-12
+
+Several are the departures of VeloxQuant-MLX's "A2ATS-adapted" port listed in DESIGN.md
+(cosine-blend assignment, attention over quantized keys); the others are the bugs a port is
+likely to have (off-by-one window, one-offset de-rotation, transposed factor, ...).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from a2ats_spec import oracle as _o
+
+from .adapters.reference import ReferenceAdapter, ReferenceCache
+
+__all__ = ["MUTANTS", "Mutant"]
+
+
+def _np(x):
+    return np.asarray(x, dtype=np.float64)
+
+
+class Mutant(ReferenceAdapter):
+    """Base: the reference adapter; subclasses override one callable."""
+
+    expected_clause = ""
+    bug = ""
+
+    def __init__(self):
+        self._ref = ReferenceAdapter()   # the unmodified callables, for the mutants to build on
+        super().__init__()
+        self.name = f"mutant {type(self).__name__}"
+
+    @property
+    def input_dtype(self):
+        return self._ref.input_dtype
+
+    @input_dtype.setter
+    def input_dtype(self, value):
+        self._ref.input_dtype = value
+
+
+class DerotateScalarOffset(Mutant):
+    expected_clause = "EQ-12"
+    bug = "far keys de-rotated as a block by the first token's position (mx.fast.rope(offset=-p0) style)"
+
+    def far_keys(self, k_post, positions, inv_freqs, *, traditional):
+        p = np.asarray(positions)
+        p0 = np.full_like(p, p.reshape(-1)[0]) if p.size else p
+        return self._ref.far_keys(k_post, p0, inv_freqs, traditional=traditional)
+
+
+class WindowOffByOne(Mutant):
+    expected_clause = "EQ-11"
+    bug = "near/far boundary off by one: i - j <= w counted as near"
+
+    def wrope_scores(self, q, k, *, w, b, **kw):
+        return self._ref.wrope_scores(q, k, w=w + 1, b=b, **kw)
+
+
+class BTiedToW(Mutant):
+    expected_clause = "EQ-11"
+    bug = "far position b tied to the window: far tokens scored with R_w instead of R_b"
+
+    def wrope_scores(self, q, k, *, w, b, **kw):
+        return self._ref.wrope_scores(q, k, w=w, b=w, **kw)
+
+
+class FarKeysRotated(Mutant):
+    expected_clause = "EQ-12"
+    bug = "far keys left rotated (post-RoPE key used as the position-free key)"
+
+    def far_keys(self, k_post, positions, inv_freqs, *, traditional):
+        return np.array(k_post, copy=True)
+
+
+class LTransposed(Mutant):
+    expected_clause = "EQ-16"
+    bug = "z-space transform with L transposed (z = k Lᵀ)"
+
+    def z_transform(self, k, L):
+        return _np(k) @ np.swapaxes(_np(L), -1, -2)
+
+    def assign_z(self, k, Cz, L):
+        z = self.z_transform(k, L)
+        d2 = np.sum((z[..., None, :] - _np(Cz)) ** 2, axis=-1)
+        return np.argmin(d2, axis=-1)
+
+
+class HNotPooled(Mutant):
+    expected_clause = "EQ-10"
+    bug = "H from the first query head of each GQA group only (not pooled over the group)"
+
+    def query_moment(self, queries, *, n_kv_heads, **kw):
+        q = np.asarray(queries)
+        G = q.shape[0] // n_kv_heads
+        return self._ref.query_moment(q[::G], n_kv_heads=n_kv_heads, **kw)
+
+
+class CosineBlend(Mutant):
+    expected_clause = "EQ-14"
+    bug = "VeloxQuant-style cosine-blend assignment instead of Eq. 14 (ignores H)"
+
+    def assign(self, k, C, H):
+        k, C = _np(k), _np(C)
+        kn = k / (np.linalg.norm(k, axis=-1, keepdims=True) + 1e-12)
+        Cn = C / (np.linalg.norm(C, axis=-1, keepdims=True) + 1e-12)
+        cos = kn @ Cn.T
+        d2 = np.sum((k[..., None, :] - C) ** 2, axis=-1)
+        return np.argmax(0.5 * cos - 0.5 * d2 / (1.0 + d2.max(axis=-1, keepdims=True)), axis=-1)
+
+
+class TopkCeil(Mutant):
+    expected_clause = "RET-TOPK"
+    bug = "top-k count rounded up (ceil) instead of the authors' int()"
+
+    def topk_count(self, T, topk, n_candidates=None):
+        if isinstance(topk, float):
+            n = int(math.ceil(topk * T))
+            return n if n_candidates is None else min(n, n_candidates)
+        return self._ref.topk_count(T, topk) if n_candidates is None else self._ref.topk_count(T, topk, n_candidates)
+
+
+class UnionMissing(Mutant):
+    expected_clause = "RET-SELECT"
+    bug = "no GQA union: the group's selection is the first query head's top-k only"
+
+    def select_tokens(self, scores, *, n_kv_heads, **kw):
+        s = np.asarray(scores)
+        G = s.shape[-2] // n_kv_heads
+        return self._ref.select_tokens(s[..., ::G, :], n_kv_heads=n_kv_heads, **kw)
+
+
+class CompressionOnly(Mutant):
+    expected_clause = "RET-DECODE"
+    bug = "VeloxQuant-style compression-only attention: quantized keys C[code] (re-rotated) fed to attention"
+
+    def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
+                    scale=None, return_mask=False):
+        out, mask = self._ref.decode_step(q_post, k_post, v, codes, C, query_pos=query_pos, b=b, w=w, sinks=sinks,
+                                          topk=topk, inv_freqs=inv_freqs, traditional=traditional, scale=scale,
+                                          return_mask=True)
+        c = np.asarray(codes).astype(np.int64)
+        Cq = _np(C)[np.arange(c.shape[-2])[:, None], c]                   # (n_kv, T, d) quantized pre-RoPE keys
+        k_hat = _o.rope_apply(Cq, np.arange(c.shape[-1]), _np(inv_freqs), traditional=traditional)
+        out = _o.retrieval_attention(_np(q_post), k_hat, _np(v), np.asarray(mask), scale=scale).astype(np.float32)
+        return (out, mask) if return_mask else out
+
+
+class _ForgetfulCache(ReferenceCache):
+    """trim() rolls back keys, values and offset, but not the position counter used to de-rotate
+    (and so to code) the tokens written afterwards."""
+
+    def __init__(self, config, _cache=None):
+        super().__init__(config, _cache)
+        self._drift = 0
+
+    def trim(self, n):
+        got = super().trim(n)
+        self._drift += got
+        return got
+
+    def append(self, keys_post, values):
+        import mlx.core as mx
+
+        if not self._drift:
+            return super().append(keys_post, values)
+        prev = self.offset
+        t = keys_post.shape[-2]
+        inv = _np(self.config["inv_freqs"])
+        # codes computed as if the tokens sat `drift` positions later: de-rotation by p + drift
+        shifted = _o.rope_invert(_np(keys_post), np.full(t, self._drift), inv, traditional=self.config["traditional"])
+        super().append(shifted.astype(keys_post.dtype), values)
+        self._c.keys[..., prev:prev + t, :] = mx.array(keys_post)[None]   # the stored keys themselves are right
+
+
+class TrimForgetsPositions(Mutant):
+    expected_clause = "CACHE-TRIM"
+    bug = "cache trim does not roll back the position counter used to code later tokens"
+
+    def make_cache(self, config):
+        return _ForgetfulCache(config)
+
+
+#: name -> mutant class (each names its expected_clause and bug)
+MUTANTS = {cls.__name__: cls for cls in (
+    DerotateScalarOffset, WindowOffByOne, BTiedToW, FarKeysRotated, LTransposed, HNotPooled, CosineBlend,
+    TopkCeil, UnionMissing, CompressionOnly, TrimForgetsPositions,
+)}

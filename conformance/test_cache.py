@@ -1,0 +1,251 @@
+"""CACHE-*: the port's KV cache (adapter.make_cache), checked through the NumPy cache protocol."""
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from a2ats_conformance import hypothesis_helpers as hh
+from a2ats_conformance.decode_checks import check_decode
+from a2ats_spec import oracle
+
+
+@st.composite
+def cache_setup(draw, *, max_T=24, topk=None, w=None, sinks=None):
+    p = draw(hh.rope_params(max_dim=16, scaled=False), label="rope")
+    n_q, n_kv = draw(hh.gqa_heads(max_kv=2), label="heads")
+    K = draw(st.sampled_from([2, 8, 300]), label="K")
+    seed = draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    d = p["d"]
+    Cz = hh.normal(rng, (n_kv, K, d))
+    L = np.stack([oracle.cholesky(hh.spd_matrix(rng, d, cond=10.0)) for _ in range(n_kv)])
+    config = dict(n_kv_heads=n_kv, n_q_heads=n_q, head_dim=d, Cz=Cz, L=L, C=oracle.back_transform(Cz, L),
+                  inv_freqs=p["inv_freqs"], traditional=p["traditional"],
+                  w=draw(st.integers(1, 6), label="w") if w is None else w, b=draw(st.sampled_from([64, 2048]), label="b"),
+                  sinks=draw(st.integers(0, 3), label="sinks") if sinks is None else sinks,
+                  topk=draw(st.sampled_from([0.1, 0.5, 2, 4]), label="topk") if topk is None else topk, scale=None)
+    return config, rng, dict(seed=seed, n_q=n_q, n_kv=n_kv, K=K, head_dim=d, w=config["w"], b=config["b"],
+                             sinks=config["sinks"], topk=config["topk"])
+
+
+def _cast_config(ctx, config):
+    out = dict(config)
+    for k in ("Cz", "L", "C"):
+        out[k] = ctx.cast(config[k]).astype(np.float32 if ctx.dtype != "float64" else np.float64)
+    out["inv_freqs"] = ctx.cast(config["inv_freqs"], param=True)
+    return out
+
+
+def _tokens(ctx, config, rng, start, n):
+    """n tokens at positions start..start+n-1: (pre-RoPE keys, post-RoPE keys, values) as IUT inputs."""
+    n_kv, d = config["n_kv_heads"], config["head_dim"]
+    k_pre = ctx.cast(hh.normal(rng, (n_kv, n, d)))
+    inv = ctx.cast(config["inv_freqs"], param=True).astype(np.float64)
+    k_post = ctx.cast(oracle.rope_apply(k_pre.astype(np.float64), np.arange(start, start + n), inv,
+                                        traditional=config["traditional"]))
+    v = ctx.cast(hh.normal(rng, (n_kv, n, d)))
+    return k_pre, k_post, v
+
+
+class CacheCalls:
+    """Logs cache method calls into the ctx (for the failure message) and runs them."""
+
+    def __init__(self, ctx, config):
+        self.ctx = ctx
+        self.cfg = _cast_config(ctx, config)
+        self.index = sum(1 for c in ctx.calls if c[0] == "make_cache")
+        self.cache = ctx.call("make_cache", self.cfg)
+
+    def __getattr__(self, name):
+        attr = getattr(self.cache, name)
+        if not callable(attr):
+            return attr
+
+        def run(*a, **kw):
+            self.ctx.calls.append((f"cache{self.index}.{name}", a, kw))
+            return attr(*a, **kw)
+        return run
+
+
+def _state(c):
+    k, v = c.keys_values()
+    return {"codes": np.asarray(c.codes()), "positions": np.asarray(c.positions()), "offset": int(c.offset),
+            "keys": np.asarray(k), "values": np.asarray(v)}
+
+
+def _same_state(ctx, a, b, clause, what):
+    for key in ("offset", "positions", "codes", "keys", "values"):
+        ctx.assert_equal(a[key], b[key], clause=clause, what=f"{what}: {key}")
+
+
+@pytest.mark.clause("CACHE-TRIM")
+@given(setup=cache_setup(), nA=st.integers(1, 10), nB=st.integers(1, 6), nC=st.integers(1, 6))
+def test_trim_rollback(ctx, setup, nA, nB, nC):
+    """A then B then trim(|B|) == state after A (codes, positions, offset); then C == A then C."""
+    config, rng, notes = setup
+    ctx.note(**notes, nA=nA, nB=nB, nC=nC)
+    _, kA, vA = _tokens(ctx, config, rng, 0, nA)
+    _, kB, vB = _tokens(ctx, config, rng, nA, nB)
+    _, kC, vC = _tokens(ctx, config, rng, nA, nC)
+    q = ctx.cast(hh.normal(rng, (config["n_q_heads"], config["head_dim"])))
+    c1, c2 = CacheCalls(ctx, config), CacheCalls(ctx, config)
+    c1.append(kA, vA)
+    c1.append(kB, vB)
+    n = c1.trim(nB)
+    if int(n) != nB:
+        ctx.fail("CACHE-TRIM", f"trim({nB}) returned {n!r}, expected {nB}")
+    c2.append(kA, vA)
+    _same_state(ctx, _state(c1), _state(c2), "CACHE-TRIM", "A, B, trim(|B|) vs A")
+    c1.append(kC, vC)
+    c2.append(kC, vC)
+    _same_state(ctx, _state(c1), _state(c2), "CACHE-TRIM", "A, B, trim(|B|), C vs A, C")
+    o1, m1 = c1.decode(q)
+    o2, m2 = c2.decode(q)
+    ctx.assert_equal(m1, m2, clause="CACHE-TRIM", what="decode selection after trim vs without")
+    ctx.assert_close(o1, o2, clause="CACHE-TRIM", what="decode output after trim vs without", rtol=0, atol=0)
+    total = c1.offset
+    got = c1.trim(total + 5)
+    if int(got) != total or c1.offset != 0:
+        ctx.fail("CACHE-TRIM", f"trim(n > offset) must trim to 0 and return {total}", f"returned {got!r}, offset {c1.offset}")
+
+
+@pytest.mark.clause("CACHE-CHUNK")
+@given(setup=cache_setup(), T=st.integers(2, 24), cuts=st.lists(st.integers(1, 23), max_size=3))
+def test_chunked_prefill(ctx, setup, T, cuts):
+    config, rng, notes = setup
+    bounds = sorted({c for c in cuts if c < T})
+    ctx.note(**notes, T=T, chunks=bounds)
+    _, k, v = _tokens(ctx, config, rng, 0, T)
+    q = ctx.cast(hh.normal(rng, (config["n_q_heads"], T, config["head_dim"])))
+    one, chunked = CacheCalls(ctx, config), CacheCalls(ctx, config)
+    one.append(k, v)
+    edges = [0] + bounds + [T]
+    for a, b in zip(edges[:-1], edges[1:]):
+        chunked.append(k[:, a:b], v[:, a:b])
+        if b - a > 1:
+            out = chunked.prefill(q[:, a:b])
+            kk, vv = chunked.keys_values()
+            exp = ctx.oracle("prefill_attention", q[:, a:b], np.asarray(kk), np.asarray(vv))
+            ctx.assert_close(out, exp, clause="CACHE-CHUNK", what=f"prefill output of chunk [{a}, {b})")
+    ctx.assert_equal(np.asarray(chunked.codes()), np.asarray(one.codes()), clause="CACHE-CHUNK",
+                     what="codes after chunked vs one-shot prefill")
+
+
+@pytest.mark.clause("CACHE-DECODE", "CACHE-FAR-CODES")
+@given(setup=cache_setup(), T=st.integers(1, 24))
+def test_decode_matches_oracle(ctx, setup, T):
+    """Codes are the oracle's EQ-12 + EQ-16 codes (allowed sets); decode equals the oracle's decode step."""
+    config, rng, notes = setup
+    ctx.note(**notes, T=T)
+    k_pre, k, v = _tokens(ctx, config, rng, 0, T)
+    q_post = ctx.cast(oracle.rope_apply(hh.normal(rng, (config["n_q_heads"], config["head_dim"])),
+                                        np.full(config["n_q_heads"], T - 1), config["inv_freqs"],
+                                        traditional=config["traditional"]))
+    c = CacheCalls(ctx, config)
+    c.append(k, v)
+    codes = np.asarray(c.codes())
+    cfg = c.cfg
+    for g in range(config["n_kv_heads"]):
+        dist = oracle.assign_z_distances(k_pre[g].astype(np.float64), cfg["Cz"][g].astype(np.float64),
+                                         cfg["L"][g].astype(np.float64))
+        ctx.assert_in_allowed(codes[g], oracle.argmin_allowed(dist, ctx.margin("CACHE-FAR-CODES", dist)),
+                              clause="CACHE-FAR-CODES", what=f"codes of KV head {g}", values=dist)
+    out, mask = c.decode(q_post)
+    inp = dict(q_post=q_post, k_post=k, v=v, codes=codes, C=cfg["C"], query_pos=T - 1, b=config["b"],
+               w=config["w"], sinks=config["sinks"], topk=config["topk"], inv_freqs=config["inv_freqs"],
+               traditional=config["traditional"])
+    check_decode(ctx, out, mask, inp, "CACHE-DECODE")
+
+
+@pytest.mark.clause("CACHE-FAR-CODES")
+@given(setup=cache_setup(), T=st.integers(1, 12), shift=st.integers(1, 40))
+def test_codes_do_not_depend_on_position(ctx, setup, T, shift):
+    """The same pre-RoPE keys written at positions shifted by s get identical codes."""
+    config, rng, notes = setup
+    ctx.note(**notes, T=T, shift=shift)
+    k_pre = ctx.cast(hh.normal(rng, (config["n_kv_heads"], T, config["head_dim"])))
+    inv = ctx.cast(config["inv_freqs"], param=True).astype(np.float64)
+    rot = lambda pos: ctx.cast(oracle.rope_apply(k_pre.astype(np.float64), pos, inv, traditional=config["traditional"]))  # noqa: E731
+    v = ctx.cast(hh.normal(rng, (config["n_kv_heads"], T, config["head_dim"])))
+    a, b = CacheCalls(ctx, config), CacheCalls(ctx, config)
+    a.append(rot(np.arange(T)), v)
+    _, pad_k, pad_v = _tokens(ctx, config, rng, 0, shift)
+    b.append(pad_k, pad_v)
+    b.append(rot(np.arange(shift, shift + T)), v)
+    ca, cb = np.asarray(a.codes()), np.asarray(b.codes())[:, shift:]
+    cfg = a.cfg
+    for g in range(config["n_kv_heads"]):
+        dist = oracle.assign_z_distances(k_pre[g].astype(np.float64), cfg["Cz"][g].astype(np.float64), cfg["L"][g].astype(np.float64))
+        allowed = oracle.argmin_allowed(dist, ctx.margin("CACHE-FAR-CODES", dist))
+        ctx.assert_in_allowed(cb[g], allowed, clause="CACHE-FAR-CODES", what=f"shifted codes, KV head {g}", values=dist)
+        unique = allowed.sum(-1) == 1
+        ctx.assert_equal(ca[g][unique], cb[g][unique], clause="CACHE-FAR-CODES", what=f"codes at p vs p+{shift}, KV head {g}")
+
+
+@st.composite
+def _everything_selected(draw):
+    """topk covering all candidates, or a window / sink count >= the sequence length."""
+    T = draw(st.integers(1, 24), label="T")
+    how = draw(st.sampled_from(["topk", "window", "sinks"]), label="how")
+    kw = {"topk": {"topk": 1.0}, "window": {"w": T + draw(st.integers(0, 3))}, "sinks": {"sinks": T, "w": 0}}[how]
+    return draw(cache_setup(**kw), label="setup"), T, how
+
+
+@pytest.mark.clause("CACHE-DENSE-EQUIV")
+@given(case=_everything_selected())
+def test_full_selection_is_dense_attention(ctx, case):
+    setup, T, how = case
+    config, rng, notes = setup
+    ctx.note(**notes, T=T, everything_by=how)
+    _, k, v = _tokens(ctx, config, rng, 0, T)
+    q = ctx.cast(hh.normal(rng, (config["n_q_heads"], config["head_dim"])))
+    c = CacheCalls(ctx, config)
+    c.append(k, v)
+    out, mask = c.decode(q)
+    ctx.assert_equal(np.asarray(mask), np.ones((config["n_kv_heads"], T), bool), clause="CACHE-DENSE-EQUIV",
+                     what=f"everything selected ({how})")
+    dense = ctx.oracle("prefill_attention", q[:, None, :], k, v)[:, 0, :]
+    ctx.assert_close(out, dense, clause="CACHE-DENSE-EQUIV", what="decode with everything selected vs dense attention")
+
+
+@pytest.mark.clause("CACHE-SAVE")
+@given(setup=cache_setup(), T=st.integers(0, 12), n=st.integers(1, 4))
+def test_save_load_roundtrip(ctx, setup, T, n):
+    config, rng, notes = setup
+    ctx.note(**notes, T=T, n_after=n)
+    c = CacheCalls(ctx, config)
+    if T:
+        _, k, v = _tokens(ctx, config, rng, 0, T)
+        c.append(k, v)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "cache")
+        c.save(path)
+        r = c.load(path)
+    _same_state(ctx, _state(r), _state(c), "CACHE-SAVE", "loaded vs saved")
+    _, k2, v2 = _tokens(ctx, config, rng, T, n)
+    q = ctx.cast(hh.normal(rng, (config["n_q_heads"], config["head_dim"])))
+    c.append(k2, v2)
+    r.append(k2, v2)
+    _same_state(ctx, _state(r), _state(c), "CACHE-SAVE", "after a further append")
+    o1, m1 = c.decode(q)
+    o2, m2 = r.decode(q)
+    ctx.assert_equal(m2, m1, clause="CACHE-SAVE", what="decode selection, loaded vs original")
+    ctx.assert_close(o2, o1, clause="CACHE-SAVE", what="decode output, loaded vs original", rtol=0, atol=0)
+
+
+@pytest.mark.clause("CODES-DTYPE", needs=("make_cache",))
+@given(setup=cache_setup(), T=st.integers(1, 6))
+def test_cache_codes_dtype(ctx, setup, T):
+    config, rng, notes = setup
+    ctx.note(**notes, T=T)
+    c = CacheCalls(ctx, config)
+    _, k, v = _tokens(ctx, config, rng, 0, T)
+    c.append(k, v)
+    got = np.asarray(c.codes()).dtype
+    want = oracle.code_dtype(config["Cz"].shape[1])
+    if got != want:
+        ctx.fail("CODES-DTYPE", f"cache codes have dtype {got}, expected {want} for K={config['Cz'].shape[1]}")

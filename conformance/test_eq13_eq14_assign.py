@@ -1,0 +1,85 @@
+"""EQ-13 (score error = H-weighted quadratic form) and EQ-14 (query-aware assignment)."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from a2ats_conformance import hypothesis_helpers as hh
+from a2ats_spec import oracle
+
+
+def _f64(ctx, x):
+    return ctx.cast(x).astype(np.float64)
+
+
+@pytest.mark.clause("EQ-13")
+@given(case=hh.codebook_case())
+def test_score_error_matches_oracle(ctx, case):
+    ctx.note(seed=case["seed"], head_dim=case["d"], edge=case["edge"])
+    k, C, H = case["k"], case["C"], case["H"]
+    c = C[np.arange(k.shape[0]) % C.shape[0]]
+    ctx.check("score_error", k, c, H, clause="EQ-13")
+
+
+@pytest.mark.clause("EQ-13")
+@given(data=st.data())
+def test_score_error_is_expected_squared_score_error(ctx, data):
+    """With H = mean over a query set of qᵀq, (k-c)H(k-c)ᵀ = mean_q (q kᵀ - q cᵀ)² (brute force)."""
+    d = data.draw(hh.head_dims(max_dim=32), label="head_dim")
+    M = data.draw(st.integers(1, 64), label="n_queries")
+    seed = data.draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    Q = hh.normal(rng, (M, d)) * np.exp(rng.uniform(-1, 1, size=d))   # anisotropic queries
+    k, c = hh.normal(rng, (3, d)), hh.normal(rng, (3, d))
+    ctx.note(seed=seed, head_dim=d, n_queries=M)
+    Qc = _f64(ctx, Q)
+    H = Qc.T @ Qc / M
+    got = ctx.call("score_error", k, c, H)
+    brute = np.mean(((_f64(ctx, k) - _f64(ctx, c)) @ Qc.T) ** 2, axis=-1)
+    ctx.assert_close(got, brute, clause="EQ-13", what="score_error vs brute-force mean squared score error")
+
+
+@pytest.mark.clause("EQ-14")
+@given(case=hh.codebook_case())
+def test_assign_is_an_allowed_argmin(ctx, case):
+    """Codes must be argmin_j (k - c_j) H (k - c_j)ᵀ; near ties (oracle margin) allow any tied index."""
+    ctx.note(seed=case["seed"], head_dim=case["d"], K=case["K"], edge=case["edge"])
+    codes = ctx.call("assign", case["k"], case["C"], case["H"])
+    dist = oracle.assign_distances(_f64(ctx, case["k"]), _f64(ctx, case["C"]), _f64(ctx, case["H"]))
+    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-14", dist)), clause="EQ-14",
+                          what="assign(k, C, H)", values=dist)
+
+
+@pytest.mark.clause("EQ-14")
+@given(case=hh.codebook_case(), c=st.sampled_from([1e-3, 0.5, 1.0, 7.0, 1e3]))
+def test_assign_with_isotropic_H_is_nearest_centroid(ctx, case, c):
+    """H = cI (any c > 0) reduces Eq. 14 to plain nearest-centroid assignment."""
+    ctx.note(seed=case["seed"], head_dim=case["d"], K=case["K"], edge=case["edge"], c=c)
+    H = c * np.eye(case["d"])
+    codes = ctx.call("assign", case["k"], case["C"], H)
+    k, C = _f64(ctx, case["k"]), _f64(ctx, case["C"])
+    eucl = np.sum((k[:, None, :] - C[None, :, :]) ** 2, axis=-1)
+    ctx.assert_in_allowed(codes, oracle.argmin_allowed(eucl, ctx.margin("EQ-14", eucl)), clause="EQ-14",
+                          what="assign with H = cI vs nearest centroid", values=eucl)
+
+
+@pytest.mark.clause("EQ-14")
+@given(d=hh.head_dims(), a=st.floats(0.5, 2.0), ratio=st.floats(1.2, 3.0), aniso=st.floats(4.0, 100.0),
+       axes=st.sampled_from([(0, 1), (1, 0)]))
+def test_assign_with_anisotropic_H_differs_from_nearest(ctx, d, a, ratio, aniso, axes):
+    """Constructed case: k = 0, c_0 = a e_p, c_1 = (ratio a) e_q. Euclidean picks c_0, but with
+    H = diag(h) weighting axis p by aniso * ratio² and axis q by 1, Eq. 14 must pick c_1."""
+    if d < 2:
+        return
+    p, q = axes
+    k = np.zeros((1, d))
+    C = np.zeros((2, d))
+    C[0, p], C[1, q] = a, ratio * a
+    h = np.ones(d)
+    h[p] = aniso * ratio**2
+    H = np.diag(h)
+    ctx.note(head_dim=d, a=a, ratio=ratio, aniso=aniso, axes=axes)
+    codes = ctx.call("assign", k, C, H)
+    ctx.assert_equal(np.asarray(codes).astype(np.int64), np.array([1]), clause="EQ-14",
+                     what="anisotropic H: assign must pick c_1 (plain nearest-centroid would pick c_0)")

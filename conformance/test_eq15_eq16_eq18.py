@@ -1,0 +1,88 @@
+"""EQ-15 (Cholesky), EQ-16 (z-space assignment), EQ-18 (back-transform to key space)."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from a2ats_conformance import hypothesis_helpers as hh
+from a2ats_spec import oracle
+
+
+def _f64(ctx, x):
+    return ctx.cast(x).astype(np.float64)
+
+
+def _L(ctx, H):
+    return oracle.cholesky(_f64(ctx, H))
+
+
+@pytest.mark.clause("EQ-15")
+@given(data=st.data())
+def test_cholesky_matches_oracle(ctx, data):
+    d = data.draw(hh.head_dims(max_dim=32), label="head_dim")
+    batch = data.draw(st.sampled_from([(), (2,)]), label="batch")
+    Hs = [data.draw(hh.spd_matrices(d), label=f"H{i}") for i in range(int(np.prod(batch)) if batch else 1)]
+    H = np.stack(Hs).reshape(batch + (d, d))
+    ctx.note(head_dim=d, batch=batch)
+    L, _ = ctx.check("cholesky", H, clause="EQ-15")
+    L = np.asarray(L, np.float64)
+    ctx.assert_equal(np.triu(L, 1) == 0, np.ones_like(L, bool), clause="EQ-15", what="L lower triangular (zeros above)")
+    ctx.assert_equal(np.diagonal(L, axis1=-2, axis2=-1) > 0, np.ones(L.shape[:-1], bool), clause="EQ-15",
+                     what="positive diagonal")
+    ctx.assert_close(L @ np.swapaxes(L, -1, -2), _f64(ctx, H), clause="EQ-15", what="L Lᵀ vs H",
+                     atol=ctx.tol("EQ-15")[1] * max(1.0, float(np.abs(H).max())))
+
+
+@pytest.mark.clause("EQ-16")
+@given(case=hh.codebook_case())
+def test_z_transform_matches_oracle(ctx, case):
+    ctx.note(seed=case["seed"], head_dim=case["d"])
+    ctx.check("z_transform", case["k"], _L(ctx, case["H"]), clause="EQ-16")
+
+
+@pytest.mark.clause("EQ-16", needs=("z_transform",))
+@given(case=hh.codebook_case())
+def test_h_weighted_distance_is_z_space_euclidean(ctx, case):
+    """Eq. 16-17: (k - c) H (k - c)ᵀ == ‖k L - c L‖², checked against brute force."""
+    ctx.note(seed=case["seed"], head_dim=case["d"], edge=case["edge"])
+    k, C, H = _f64(ctx, case["k"]), _f64(ctx, case["C"]), _f64(ctx, case["H"])
+    L = oracle.cholesky(H)
+    zk = np.asarray(ctx.call("z_transform", k, L), np.float64)
+    zc = np.asarray(ctx.call("z_transform", C, L), np.float64)
+    got = np.sum((zk[:, None, :] - zc[None, :, :]) ** 2, axis=-1)
+    diff = k[:, None, :] - C[None, :, :]
+    brute = np.einsum("nkd,de,nke->nk", diff, H, diff)
+    ctx.assert_close(got, brute, clause="EQ-16", what="‖zk - zc‖² vs (k-c)H(k-c)ᵀ",
+                     atol=ctx.tol("EQ-16")[1] * max(1.0, float(brute.max())))
+
+
+@pytest.mark.clause("EQ-16")
+@given(case=hh.codebook_case())
+def test_assign_z_is_the_eq14_assignment(ctx, case):
+    """Runtime assignment (nearest Cz row to k L) is the key-space Eq. 14 assignment with C = Cz L⁻¹."""
+    ctx.note(seed=case["seed"], head_dim=case["d"], K=case["K"], edge=case["edge"])
+    L = _L(ctx, case["H"])
+    Cz = case["C"]
+    codes = ctx.call("assign_z", case["k"], Cz, L)
+    dist = oracle.assign_z_distances(_f64(ctx, case["k"]), _f64(ctx, Cz), _f64(ctx, L))
+    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-16", dist)), clause="EQ-16",
+                          what="assign_z(k, Cz, L)", values=dist)
+
+
+@pytest.mark.clause("EQ-18")
+@given(case=hh.codebook_case())
+def test_back_transform_matches_oracle(ctx, case):
+    ctx.note(seed=case["seed"], head_dim=case["d"])
+    ctx.check("back_transform", case["C"], _L(ctx, case["H"]), clause="EQ-18")
+
+
+@pytest.mark.clause("EQ-18", needs=("back_transform",))
+@given(case=hh.codebook_case())
+def test_back_transform_inverts_z_transform(ctx, case):
+    """back_transform(C L, L) == C."""
+    ctx.note(seed=case["seed"], head_dim=case["d"])
+    L = _L(ctx, case["H"])
+    C = _f64(ctx, case["C"])
+    got = ctx.call("back_transform", C @ L, L)
+    ctx.assert_close(got, C, clause="EQ-18", what="back_transform(C L, L) vs C")

@@ -1,0 +1,176 @@
+"""RET-LUT, RET-TOPK, RET-SELECT, RET-ATTN, RET-DECODE: the decode-time retrieval."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from a2ats_conformance import hypothesis_helpers as hh
+from a2ats_conformance.decode_checks import check_decode
+from a2ats_spec import oracle
+
+
+def _f64(ctx, x):
+    return ctx.cast(x).astype(np.float64)
+
+
+@pytest.mark.clause("RET-LUT")
+@given(data=st.data())
+def test_lut_scores_match_oracle(ctx, data):
+    n_q, n_kv = data.draw(hh.gqa_heads(), label="heads")
+    d = data.draw(hh.head_dims(), label="head_dim")
+    K = data.draw(st.integers(1, 40), label="K")
+    scale = data.draw(st.sampled_from([None, 0.5, 1.0]), label="scale")
+    lead = data.draw(st.sampled_from([(), (2,)]), label="lead")
+    seed = data.draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, head_dim=d, K=K, scale=scale)
+    ctx.check("lut_scores", hh.normal(rng, lead + (n_q, d)), hh.normal(rng, (n_kv, K, d)), scale=scale, clause="RET-LUT")
+
+
+@pytest.mark.clause("RET-LUT")
+@given(data=st.data())
+def test_token_scores_match_oracle(ctx, data):
+    n_q, n_kv = data.draw(hh.gqa_heads(), label="heads")
+    K = data.draw(st.integers(1, 300), label="K")
+    T = data.draw(st.integers(1, 40), label="T")
+    seed = data.draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    codes = rng.integers(0, K, size=(n_kv, T)).astype(oracle.code_dtype(K))
+    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, K=K, T=T)
+    ctx.check("token_scores", hh.normal(rng, (n_q, K)), codes, clause="RET-LUT")
+
+
+@pytest.mark.clause("RET-TOPK")
+@given(T=st.integers(1, 200_000), topk=st.one_of(st.floats(1e-4, 1.0), st.sampled_from([0.03, 0.1, 0.5, 1.0]),
+                                                    st.integers(1, 10_000)),
+       n_candidates=st.one_of(st.none(), st.integers(0, 5000)))
+def test_topk_count_matches_oracle(ctx, T, topk, n_candidates):
+    """float topk -> int(topk * T) (floor, the authors' int()); int topk -> topk; capped at n_candidates."""
+    ctx.note(T=T, topk=topk, n_candidates=n_candidates)
+    args = (T, topk) if n_candidates is None else (T, topk, n_candidates)
+    got = ctx.call("topk_count", *args)
+    want = oracle.topk_count(*args)
+    if isinstance(got, (bool, np.bool_)) or not isinstance(got, (int, np.integer)) or int(got) != want:
+        ctx.fail("RET-TOPK", f"topk_count{args!r} = {got!r}, expected {want}")
+
+
+def _select_and_check(ctx, case, clause):
+    s = case["scores"]
+    kw = dict(n_kv_heads=case["n_kv"], query_pos=case["query_pos"], w=case["w"], sinks=case["sinks"], topk=case["topk"])
+    mask = ctx.call("select_tokens", s, **kw)
+    so = _f64(ctx, s)
+    must, may = oracle.select_tokens_allowed(so, margin=ctx.margin(clause, so), **kw)
+    ctx.assert_mask_allowed(mask, must, may, clause=clause, what="select_tokens mask (must ⊆ mask ⊆ may)")
+    return np.asarray(mask)
+
+
+@pytest.mark.clause("RET-SELECT")
+@given(case=hh.scores_case())
+def test_select_tokens_is_an_allowed_selection(ctx, case):
+    """Sinks and window always kept; per head a valid top-k of the candidates (near ties from the oracle's
+    margin); union over the GQA group; nothing after the query position."""
+    ctx.note(**{k: v for k, v in case.items() if k != "scores"})
+    mask = _select_and_check(ctx, case, "RET-SELECT")
+    G = case["n_q"] // case["n_kv"]
+    i, T = case["query_pos"], case["T"]
+    j = np.arange(T)
+    forced = (j <= i) & ((j < case["sinks"]) | (i - j < case["w"]))
+    cand = (j <= i) & ~forced
+    probe = oracle.select_tokens(np.arange(T, dtype=float)[None, :], n_kv_heads=1, query_pos=i, w=case["w"],
+                                 sinks=case["sinks"], topk=case["topk"])
+    count = int((probe[0] & cand).sum())          # the oracle's per-head count (RET-TOPK)
+    extra = (mask & cand).sum(axis=-1)
+    if np.any(extra < count) or np.any(extra > G * count):
+        ctx.fail("RET-SELECT", "per KV head, the union of G per-head top-k sets must hold between k and G*k candidates",
+                 f"k={count}, G={G}, got {extra.tolist()}")
+
+
+@pytest.mark.clause("RET-SELECT")
+@given(data=st.data())
+def test_select_tokens_window_boundary(ctx, data):
+    """With topk selecting nothing extra: i - j = w - 1 is kept, i - j = w is not (unless a sink)."""
+    w = data.draw(st.integers(1, 10), label="w")
+    T = data.draw(st.integers(w + 2, w + 20), label="T")
+    i = T - 1
+    s = hh.normal(hh.rng_from(data.draw(hh.seeds(), label="seed")), (1, T))
+    s[0, i - w] = -1e3            # make sure the far token is never the top-1 candidate
+    ctx.note(w=w, T=T)
+    mask = np.asarray(ctx.call("select_tokens", s, n_kv_heads=1, query_pos=i, w=w, sinks=0, topk=1))
+    if not mask[0, i - (w - 1)] or mask[0, i - w]:
+        ctx.fail("RET-SELECT", "window boundary: i-j = w-1 must be selected, i-j = w must not (it scores lowest)",
+                 f"mask[i-(w-1)]={bool(mask[0, i - (w - 1)])}, mask[i-w]={bool(mask[0, i - w])}")
+
+
+@pytest.mark.clause("RET-SELECT")
+@given(data=st.data())
+def test_select_tokens_takes_the_gqa_union(ctx, data):
+    """Each query head of a group contributes its own top token: distinct winners must all be selected."""
+    n_kv = data.draw(st.integers(1, 3), label="n_kv")
+    G = data.draw(st.integers(2, 4), label="G")
+    T = data.draw(st.integers(G + 1, 30), label="T")
+    seed = data.draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    s = hh.normal(rng, (n_kv * G, T))
+    winners = np.stack([rng.choice(T - 1, G, replace=False) for _ in range(n_kv)])
+    for g in range(n_kv):
+        for h in range(G):
+            s[g * G + h, winners[g, h]] = 10.0
+    ctx.note(seed=seed, n_kv=n_kv, G=G, T=T, winners=winners.tolist())
+    mask = np.asarray(ctx.call("select_tokens", s, n_kv_heads=n_kv, query_pos=T - 1, w=1, sinks=0, topk=1))
+    for g in range(n_kv):
+        if not mask[g, winners[g]].all():
+            ctx.fail("RET-SELECT", "GQA union: the top token of every query head of the group must be selected",
+                     f"KV head {g}: winners {winners[g].tolist()}, selected {np.flatnonzero(mask[g]).tolist()}")
+
+
+def _attn_inputs(rng, n_q, n_kv, T, d, dv):
+    return hh.normal(rng, (n_q, d)), hh.normal(rng, (n_kv, T, d)), hh.normal(rng, (n_kv, T, dv))
+
+
+@pytest.mark.clause("RET-ATTN")
+@given(data=st.data())
+def test_retrieval_attention_matches_oracle(ctx, data):
+    n_q, n_kv = data.draw(hh.gqa_heads(), label="heads")
+    d = data.draw(hh.head_dims(max_dim=32), label="head_dim")
+    dv = data.draw(st.sampled_from([d, 4]), label="dv")
+    T = data.draw(st.integers(1, 40), label="T")
+    scale = data.draw(st.sampled_from([None, 0.3]), label="scale")
+    seed = data.draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    q, k, v = _attn_inputs(rng, n_q, n_kv, T, d, dv)
+    mask = rng.random((n_kv, T)) < 0.4
+    mask[np.arange(n_kv), rng.integers(0, T, size=n_kv)] = True
+    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, T=T, head_dim=d, dv=dv, scale=scale)
+    ctx.check("retrieval_attention", q, k, v, mask, scale=scale, clause="RET-ATTN")
+
+
+def decode_case(draw, *, max_T=60):
+    p = draw(hh.rope_params(max_dim=32, scaled=False), label="rope")
+    n_q, n_kv = draw(hh.gqa_heads(), label="heads")
+    T = draw(st.integers(1, max_T), label="T")
+    K = draw(st.sampled_from([1, 4, 16, 300]), label="K")
+    w = draw(st.integers(1, 8), label="w")      # w >= 1: the query's own token is selected (RET-ATTN needs one)
+    sinks = draw(st.integers(0, 4), label="sinks")
+    b = draw(st.sampled_from([64, 2048]), label="b")
+    topk = draw(st.sampled_from([0.03, 0.1, 0.3, 1.0, 2, 5]), label="topk")
+    seed = draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    d = p["d"]
+    q_pre, k_pre, v = _attn_inputs(rng, n_q, n_kv, T, d, d)
+    C = hh.normal(rng, (n_kv, K, d))
+    codes = rng.integers(0, K, size=(n_kv, T)).astype(oracle.code_dtype(K))
+    inv, t = p["inv_freqs"], p["traditional"]
+    q_post = oracle.rope_apply(q_pre, np.full(n_q, T - 1), inv, traditional=t)
+    k_post = oracle.rope_apply(k_pre, np.arange(T), inv, traditional=t)
+    return dict(q_post=q_post, k_post=k_post, v=v, codes=codes, C=C, query_pos=T - 1, b=b, w=w, sinks=sinks,
+                topk=topk, inv_freqs=inv, traditional=t), dict(seed=seed, n_q=n_q, n_kv=n_kv, T=T, K=K, head_dim=d)
+
+
+@pytest.mark.clause("RET-DECODE")
+@given(data=st.data())
+def test_decode_step_matches_oracle(ctx, data):
+    inp, notes = decode_case(data.draw)
+    ctx.note(**notes, w=inp["w"], sinks=inp["sinks"], b=inp["b"], topk=inp["topk"])
+    out, mask = ctx.call("decode_step", **inp, return_mask=True)
+    check_decode(ctx, out, mask, inp, "RET-DECODE")

@@ -1,0 +1,30 @@
+"""The suite rejects every mutant port, on the clause its bug violates."""
+
+import io
+import json
+
+import pytest
+
+from a2ats_conformance.cli import main
+from a2ats_conformance.mutants import MUTANTS
+from a2ats_conformance.repro import load_counterexample, replay
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_is_rejected_on_its_clause(tmp_path, name):
+    cls = MUTANTS[name]
+    out = tmp_path / "r.json"
+    code = main(["--iut", f"a2ats_conformance.mutants:{name}", "--profile", "selftest", "--seed", "0", "-q",
+                 "--clauses", cls.expected_clause, "--report-json", str(out),
+                 "--counterexample-dir", str(tmp_path / "cex")])
+    rep = json.loads(out.read_text())
+    verdict = rep["clauses"][cls.expected_clause]
+    assert code == 1, f"{name} ({cls.bug}) was not rejected: {verdict}"
+    assert verdict["status"] == "fail"
+    cex = verdict["counterexample"]
+    assert cex.get("clause") == cls.expected_clause, cex      # the failing assertion names the clause
+    assert "python -m a2ats_conformance.repro" in cex["repro"]
+    meta, calls = load_counterexample(cex["npz"])              # reloads without pickle
+    assert calls and meta["dtype"] == "float32" and meta["iut"].endswith(name)
+    rows = replay(cex["npz"], out=io.StringIO())                # the repro command's engine runs
+    assert [r["fn"] for r in rows] == [c[0] for c in calls]
