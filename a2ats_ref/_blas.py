@@ -42,6 +42,7 @@ _state: dict = {
     "mlx_imported_before": None,
     "effective": False,
     "error": None,
+    "config": None,  # openblas_get_config() of the loaded library
 }
 _handle = None
 
@@ -79,6 +80,83 @@ def candidate_libraries() -> list[tuple[str, Path]]:
     return found
 
 
+_CORE_ISA = {  # OpenBLAS core names built without DYNAMIC_ARCH -> CPU flags their kernels need
+    "SKYLAKEX": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "COOPERLAKE": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+    "SAPPHIRERAPIDS": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+    "HASWELL": ("avx2", "fma"),
+    "ZEN": ("avx2", "fma"),
+    "SANDYBRIDGE": ("avx",),
+}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _gfortran_shim() -> None:
+    """Make ``libgfortran.so.5`` resolvable when the system lacks it.
+
+    ``cmeel-openblas`` needs ``libgfortran.so.5`` but no wheel ships one under that name: the
+    copies inside ``mlx_cpu.libs``/``numpy.libs`` were renamed by auditwheel. The dynamic loader
+    matches a NEEDED name against the SONAME of objects already loaded, so load an in-memory copy
+    (memfd, nothing written to disk) whose SONAME reads ``libgfortran.so.5``.
+    """
+    try:
+        ctypes.CDLL("libgfortran.so.5", mode=ctypes.RTLD_GLOBAL)
+        return
+    except OSError:
+        pass
+    for d in _site_dirs():
+        for libdir in sorted(d.glob("*.libs")):
+            for g in sorted(libdir.glob("libgfortran-*.so.5*")):
+                for qm in sorted(libdir.glob("libquadmath-*.so*")):
+                    ctypes.CDLL(str(qm), mode=ctypes.RTLD_GLOBAL)  # satisfies the copy's own NEEDED
+                data = g.read_bytes()
+                old = g.name.encode() + b"\0"
+                if old not in data or len(old) < len(b"libgfortran.so.5\0"):
+                    continue
+                new = b"libgfortran.so.5".ljust(len(old), b"\0")
+                fd = os.memfd_create("libgfortran.so.5")
+                os.write(fd, data.replace(old, new))
+                ctypes.CDLL(f"/proc/self/fd/{fd}", mode=ctypes.RTLD_GLOBAL)
+                return
+    raise OSError("libgfortran.so.5 not found (apt-get install libgfortran5)")
+
+
+def _load_checked(path: Path):
+    """dlopen ``path`` privately, check its kernels can run on this CPU, then make it global."""
+    try:
+        probe = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+    except OSError as exc:
+        if "libgfortran" not in str(exc):
+            raise
+        _gfortran_shim()
+        probe = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+    try:
+        probe.openblas_get_config.restype = ctypes.c_char_p
+        config = probe.openblas_get_config().decode()
+    except AttributeError:
+        config = ""
+    _state["config"] = config
+    if "DYNAMIC_ARCH" not in config:
+        words = config.split()
+        flags = _cpu_flags()
+        for core, needed in _CORE_ISA.items():
+            if core in words and flags and not set(needed) <= flags:
+                # Calling its kernels would kill the process with SIGILL.
+                raise OSError(f"built for {core} only ({config!r}); this CPU lacks {sorted(set(needed) - flags)}")
+    # dlopen of an already-loaded object with RTLD_GLOBAL promotes it to the global scope.
+    return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+
+
 def preload() -> dict:
     """Load OpenBLAS globally (Linux only, once). Returns :func:`blas_status`.
 
@@ -94,6 +172,16 @@ def preload() -> dict:
         _state["opted_out"] = True
         return blas_status()
     _state["mlx_imported_before"] = "mlx.core" in sys.modules
+    if _state["mlx_imported_before"]:
+        # Too late: MLX already bound its BLAS. Loading now would only add a second BLAS to the process.
+        _state["error"] = "mlx.core was imported before a2ats_ref; the fast BLAS was not loaded"
+        warnings.warn(
+            "a2ats_ref: mlx.core was imported before a2ats_ref, so the fast BLAS cannot take effect "
+            "(MLX keeps its slow reference BLAS). Import a2ats_ref before mlx (or mlx_lm) to fix this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return blas_status()
     candidates = candidate_libraries()
     if not candidates:
         _state["error"] = (
@@ -105,7 +193,7 @@ def preload() -> dict:
     errors = []
     for source, path in candidates:
         try:
-            _handle = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            _handle = _load_checked(path)
         except OSError as exc:
             errors.append(f"{path}: {exc}")
             continue
@@ -116,14 +204,7 @@ def preload() -> dict:
         _state["error"] = "; ".join(errors)
         warnings.warn(f"a2ats_ref: could not load OpenBLAS ({_state['error']})", RuntimeWarning, stacklevel=2)
         return blas_status()
-    if _state["mlx_imported_before"]:
-        warnings.warn(
-            "a2ats_ref: mlx.core was imported before a2ats_ref, so the fast BLAS cannot take effect "
-            "(MLX keeps its slow reference BLAS). Import a2ats_ref before mlx to fix this.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    _state["effective"] = _state["loaded"] is not None and not _state["mlx_imported_before"]
+    _state["effective"] = True
     return blas_status()
 
 

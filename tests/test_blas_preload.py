@@ -1,0 +1,58 @@
+"""The fast-BLAS preload: automatic on Linux, opt-out by environment variable, verified by dladdr."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the BLAS preload is Linux-only")
+
+PROBE = (
+    "import json, a2ats_ref, mlx.core, a2ats_ref._blas as b; "
+    "print(json.dumps(b.blas_status()))"
+)
+
+
+def run(code, **env):
+    e = {k: v for k, v in os.environ.items() if k != "A2ATS_NO_FAST_BLAS"}
+    e.update(env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def test_importing_the_package_loads_openblas():
+    from a2ats_ref import _blas
+
+    if not _blas.candidate_libraries():
+        pytest.skip("no OpenBLAS on this machine (pip install cmeel-openblas, or apt-get install libopenblas0-pthread)")
+    st, err = run(PROBE)
+    if st["loaded"] is None and st["error"] and "lacks" in st["error"]:
+        pytest.skip(f"the only OpenBLAS cannot run on this CPU: {st['error']}")
+    assert st["attempted"], "a2ats_ref/__init__.py must call _blas.preload() first thing"
+    assert st["effective"], st
+    assert st["loaded"] and "openblas" in st["cblas_sgemm_from"].lower(), st
+
+
+def test_opt_out():
+    st, _ = run(PROBE, A2ATS_NO_FAST_BLAS="1")
+    assert st["attempted"], "a2ats_ref/__init__.py must call _blas.preload() first thing"
+    assert st["opted_out"] and st["loaded"] is None and not st["effective"], st
+
+
+def test_status_reports_the_library_cblas_resolves_to():
+    st, _ = run("import json, a2ats_ref._blas as b; b.preload(); import mlx.core; print(json.dumps(b.blas_status()))")
+    if st["loaded"] is None:
+        pytest.skip(f"no usable OpenBLAS here: {st['error']}")
+    assert st["effective"] and "openblas" in (st["cblas_sgemm_from"] or "").lower(), st
+    assert st["config"] and "OpenBLAS" in st["config"]
+
+
+def test_too_late_warns_and_does_not_load():
+    st, err = run("import json, mlx.core; import a2ats_ref._blas as b; b.preload(); print(json.dumps(b.blas_status()))")
+    assert not st["effective"] and st["loaded"] is None, st
+    assert "imported before a2ats_ref" in err
