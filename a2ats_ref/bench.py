@@ -1,0 +1,195 @@
+"""``a2ats-bench``: measured speed and fidelity of A2ATS on this machine.
+
+    a2ats-bench speed    --json F [--md F] [--quick | --tiny]
+    a2ats-bench fidelity --json F [--md F] [--quick | --tiny]
+
+Every result carries a machine description (CPU, cores, MLX version, BLAS in use, allocator tuning).
+Progress goes to stderr. ``--quick`` is the CI smoke size (minutes); ``--tiny`` is for unit tests (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+from . import _blas  # noqa: F401  (must load OpenBLAS before mlx.core is imported)
+
+SCHEMA_VERSION = 1
+
+
+def _log(msg: str) -> None:
+    print(f"[a2ats-bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(allocator_tuned: bool) -> dict:
+    """Machine description attached to every result."""
+    import mlx.core as mx
+
+    try:
+        import mlx_lm
+        mlx_lm_version = getattr(mlx_lm, "__version__", None)
+    except ImportError:  # pragma: no cover
+        mlx_lm_version = None
+    try:
+        blas = _blas.blas_status()
+    except Exception as exc:  # pragma: no cover - status must never break a benchmark
+        blas = {"error": repr(exc)}
+    try:
+        load = os.getloadavg()
+    except OSError:  # pragma: no cover
+        load = None
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm_version,
+        "device": str(mx.default_device()),
+        "blas": blas,
+        "allocator_tuned": allocator_tuned,
+        "loadavg_at_start": load,
+    }
+
+
+# --------------------------------------------------------------------------- speed
+
+SPEED_PROFILES = {
+    #        decode_step Ts            dtypes                  reps  cache-update Ts        e2e ctx  e2e tokens
+    "full": dict(Ts=[4096, 16384, 65536], dtypes=["float32", "float16"], reps=7, upd_Ts=[1024, 4096, 16384, 65536],
+                 e2e_ctx=4096, e2e_tokens=32, shape=None, K=4096, conformance=True),
+    "quick": dict(Ts=[4096, 16384], dtypes=["float32", "float16"], reps=3, upd_Ts=[1024, 4096, 16384],
+                  e2e_ctx=1024, e2e_tokens=8, shape=None, K=4096, conformance=False),
+    "tiny": dict(Ts=[512, 1024], dtypes=["float32"], reps=2, upd_Ts=[256, 1024],
+                 e2e_ctx=0, e2e_tokens=0, shape=dict(n_q=8, n_kv=2, d=32), K=256, conformance=False),
+}
+
+
+def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True) -> dict:
+    from . import bench_speed as bs
+
+    p = SPEED_PROFILES[profile]
+    shape = p["shape"] or bs.LLAMA31_8B
+    res = {"decode_step_config": dict(shape, K=p["K"], topk=0.03, w=64, sinks=8, b=2048, batch=1,
+                                      baseline="mlx_lm.models.base.scaled_dot_product_attention over a KVCache",
+                                      a2ats="a2ats_ref.fast_decode.decode_step_fast (method=auto)",
+                                      timing="interleaved repetitions after warm-up; mx.eval sync; medians")}
+    res["decode_step"] = bs.decode_step_table(p["Ts"], p["dtypes"], reps=p["reps"], shape=shape, K=p["K"])
+    _log("cache update cost vs T")
+    res["cache_update"] = bs.cache_update_table(p["upd_Ts"], shape=shape, K=p["K"], reps=max(5, p["reps"] * 3))
+    res["memory"] = bs.memory_table(p["upd_Ts"], shape=shape, K=p["K"])
+    if e2e and p["e2e_ctx"]:
+        _log(f"end-to-end SmolLM2 decode at {p['e2e_ctx']} context")
+        res["e2e_smollm2"] = bs.e2e_smollm2(ctx=p["e2e_ctx"], n_tokens=p["e2e_tokens"])
+    if p["conformance"] and conformance:
+        _log("conformance suite wall time (a2ats-conformance --profile ci)")
+        res["conformance_ci_wall_s"] = bs.conformance_wall_time()
+    return res
+
+
+def speed_markdown(res: dict) -> str:
+    m = res["machine"]
+    lines = [f"# a2ats-bench speed ({res['profile']})", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores, MLX {m['mlx']}, BLAS "
+             f"{(m['blas'] or {}).get('config') or (m['blas'] or {}).get('loaded') or 'reference'}, "
+             f"allocator tuned: {m['allocator_tuned']}, load average at start {m['loadavg_at_start']}", "",
+             "## One decode attention step (one layer, batch 1)", "",
+             "| T | dtype | dense ms | A2ATS ms | speedup (median of ratios) | bytes read dense | bytes read A2ATS |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in res["decode_step"]:
+        lines.append(f"| {r['T']} | {r['dtype']} | {r['dense_ms']:.2f} | {r['a2ats_ms']:.2f} | {r['speedup']:.2f}x | "
+                     f"{r['bytes_read']['dense']:,} | {r['bytes_read']['a2ats']:,} |")
+    cu = res.get("cache_update")
+    if cu:
+        lines += ["", "## Per-token cache update (one layer)", "", "| T | KVCache ms | A2ATSCache ms |", "|---:|---:|---:|"]
+        for r in cu["rows"]:
+            a = r.get("a2ats_ms")
+            lines.append(f"| {r['T']} | {r['kvcache_ms']:.3f} | {'n/a' if a is None else f'{a:.3f}'} |")
+        if cu.get("note"):
+            lines += ["", cu["note"]]
+    mem = res.get("memory")
+    if mem:
+        lines += ["", "## Bytes held (one layer)", "", "| T | KVCache | A2ATSCache | codebook (shared) |",
+                  "|---:|---:|---:|---:|"]
+        for r in mem["rows"]:
+            lines.append(f"| {r['T']} | {r['kvcache_bytes']:,} | {r.get('a2ats_bytes') or 'n/a'} | "
+                         f"{r.get('codebook_bytes') or 'n/a'} |")
+    e2e = res.get("e2e_smollm2")
+    if e2e:
+        lines += ["", "## End-to-end decode, SmolLM2-135M", "", "```", json.dumps(e2e, indent=1), "```"]
+    if "conformance_ci_wall_s" in res:
+        lines += ["", f"Conformance suite (`a2ats-conformance --profile ci`) wall time: {res['conformance_ci_wall_s']}"]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- fidelity
+
+
+def run_fidelity(profile: str) -> dict:
+    from . import bench_fidelity as bf
+
+    return bf.run(profile)
+
+
+def fidelity_markdown(res: dict) -> str:
+    from . import bench_fidelity as bf
+
+    return bf.markdown(res)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="a2ats-bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["speed", "fidelity"])
+    ap.add_argument("--json", required=True, help="write results here (JSON)")
+    ap.add_argument("--md", help="also write a Markdown summary here")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="CI smoke size (a few minutes)")
+    size.add_argument("--tiny", action="store_true", help="unit-test size (seconds)")
+    ap.add_argument("--no-e2e", action="store_true", help="speed: skip the end-to-end SmolLM2 run")
+    ap.add_argument("--no-conformance", action="store_true", help="speed: skip timing a2ats-conformance --profile ci")
+    ap.add_argument("--no-tune-allocator", action="store_true",
+                    help="leave glibc's malloc thresholds alone (see fast_decode.tune_allocator)")
+    args = ap.parse_args(argv)
+    profile = "tiny" if args.tiny else "quick" if args.quick else "full"
+
+    _blas.preload()
+    from . import fast_decode
+
+    tuned = False if args.no_tune_allocator else fast_decode.tune_allocator()
+    t0 = time.perf_counter()
+    res = {"schema_version": SCHEMA_VERSION, "benchmark": args.what, "profile": profile,
+           "machine": machine(tuned)}
+    if args.what == "speed":
+        res.update(run_speed(profile, e2e=not args.no_e2e, conformance=not args.no_conformance))
+    else:
+        res.update(run_fidelity(profile))
+    res["wall_s"] = round(time.perf_counter() - t0, 2)
+    with open(args.json, "w") as f:
+        json.dump(res, f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(speed_markdown(res) if args.what == "speed" else fidelity_markdown(res))
+    _log(f"done in {res['wall_s']} s -> {args.json}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

