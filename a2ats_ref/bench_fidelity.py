@@ -118,13 +118,15 @@ def _collect(model, ids):
     return mx.stack([q[0] for q in r.q]).astype(mx.float32), mx.stack([k[0] for k in r.k]).astype(mx.float32)
 
 
-def _angles(pos, inv):
-    return mx.array(np.outer(np.asarray(pos, np.float64), inv).astype(np.float32))
+def _rot(x, pos, meta):
+    """x R_pos per token (pos broadcasts against x.shape[:-1]) with the package's one RoPE kernel.
 
-
-def _rot(x, theta, traditional):
-    from .fast_decode import _rotate
-    return _rotate(x, mx.cos(theta), mx.sin(theta), traditional)
+    Integer positions and float32 inv_freqs make pos * inv_freqs one correctly rounded float32
+    product, the angle mlx-lm itself rotates by.
+    """
+    from .rope import rotate_unchecked
+    pos = mx.array(np.asarray(pos, np.float32))
+    return rotate_unchecked(x, pos, mx.array(meta["inv"].astype(np.float32)), meta["traditional"], 1.0)
 
 
 # --------------------------------------------------------------------------- codebooks
@@ -132,7 +134,7 @@ def _rot(x, theta, traditional):
 
 def _query_moment(q_post, pos, meta, b):
     """EQ-10 per KV head from post-RoPE queries: q̃ = q R_{b - pos}; H = mean q̃ᵀq̃ / RMS + 1e-6 I."""
-    qb = _rot(q_post, _angles(b - np.asarray(pos), meta["inv"]), meta["traditional"])     # (n_q, T, d)
+    qb = _rot(q_post, b - np.asarray(pos), meta)     # (n_q, T, d)
     G = meta["n_q"] // meta["n_kv"]
     qb = qb.reshape(meta["n_kv"], G * qb.shape[1], meta["d"])
     H = (qb.swapaxes(-1, -2) @ qb) / qb.shape[1]
@@ -187,7 +189,7 @@ def fit_books(model, meta, prof, b):
         qpost = [(q[li], p) for q, p in qs]
         H = sum(_query_moment(q, p, meta, b) * q.shape[1] for q, p in qpost) / sum(q.shape[1] for q, _ in qpost)
         L = mx.linalg.cholesky(H, stream=mx.cpu)
-        kpre = mx.concatenate([_rot(k[li], _angles(-p, meta["inv"]), meta["traditional"]) for k, p in ks], axis=1)
+        kpre = mx.concatenate([_rot(k[li], -p, meta) for k, p in ks], axis=1)
         books[li] = {"query_aware": Book(_kmeans(kpre @ L, prof["K"], prof["iters"]), L),
                      "plain": Book(_kmeans(kpre, prof["K"], prof["iters"]), None), "H": H}
         mx.eval(books[li]["query_aware"].C, books[li]["plain"].C)
@@ -207,13 +209,13 @@ def score_and_recall(model, meta, prof, books, b, w, sinks):
     err = {"query_aware": {}, "plain": {}}
     rec = {f"{int(f * 100)}%": {"a2ats": [], "oracle": [], "plain_vq": []} for f in (0.01, 0.03, 0.1)}
     for li in prof["layers"]:
-        kpre = _rot(k[li], _angles(-np.arange(T), meta["inv"]), meta["traditional"])        # (n_kv, T, d)
+        kpre = _rot(k[li], -np.arange(T), meta)        # (n_kv, T, d)
         codes = {kind: books[li][kind].assign(kpre) for kind in ("query_aware", "plain")}
         num = {kind: 0.0 for kind in codes}
         den = 0.0
         for i in probes:
             qi = q[li][:, i, :]                                                               # (n_q, d) post
-            qb = _rot(qi, _angles(np.full(1, b - i), meta["inv"])[0], meta["traditional"])   # q R_{b-i}
+            qb = _rot(qi, np.full(1, b - i), meta)   # q R_{b-i}
             qb = qb.reshape(meta["n_kv"], G, meta["d"])
             exact_far = qb @ kpre[:, : i + 1].swapaxes(-1, -2)                                # (n_kv, G, i+1)
             den += float(mx.sum(exact_far[..., : max(i + 1 - w, 0)] ** 2))
@@ -271,11 +273,11 @@ class _CompressionOnly:
             have = self.codes.get(li)
             start = 0 if have is None else have.shape[-1]
             pos = np.arange(start, T)
-            kpre = _rot(keys[0, :, start:].astype(mx.float32), _angles(-pos, meta["inv"]), meta["traditional"])
+            kpre = _rot(keys[0, :, start:].astype(mx.float32), -pos, meta)
             new = self.books[li].assign(kpre)
             self.codes[li] = new if have is None else mx.concatenate([have, new], axis=-1)
             ck = mx.take_along_axis(self.books[li].C, self.codes[li][..., None], axis=1)
-            khat = _rot(ck, _angles(np.arange(T), meta["inv"]), meta["traditional"])[None].astype(keys.dtype)
+            khat = _rot(ck, np.arange(T), meta)[None].astype(keys.dtype)
             return orig(queries, khat, values, cache, scale=scale, mask=mask)
 
         self.llama.scaled_dot_product_attention = sdpa

@@ -27,6 +27,7 @@ import math
 import numbers
 import warnings
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -37,7 +38,8 @@ from .codes import mx_code_dtype
 from .eq12_far_keys import far_keys_unchecked
 from .eq16_z_transform import assign_z_unchecked
 from .eq18_back_transform import back_transform
-from .retrieval import attention_scale, decode_gather_unchecked, gqa_group
+from .fast_decode import decode_step_fast, prepare_codebook
+from .retrieval import attention_scale, gqa_group
 from .rope import rope_params_from_module
 
 __all__ = [
@@ -125,6 +127,15 @@ class LayerCodebook:
     @property
     def nbytes(self) -> int:
         return self.Cz.nbytes + self.L.nbytes + self.C.nbytes
+
+    @cached_property
+    def CT(self) -> mx.array:
+        """C transposed to (n_kv, d, K), contiguous float32: the LUT operand of the decode kernel.
+
+        Built on first use and kept on the codebook, so every cache of this layer (one per prompt)
+        shares it instead of transposing C on each decode step. Not counted in nbytes (derived data).
+        """
+        return prepare_codebook(self.C)
 
     @classmethod
     def from_z(cls, Cz, L) -> "LayerCodebook":
@@ -260,7 +271,7 @@ class A2ATSCache(_BaseCache):
         self.values = None
         self.codes = None
         self.offset = 0
-        self._last_indices = None
+        self._last_selection = None
 
     # ---- mlx-lm protocol
     def update_and_fetch(self, keys, values):
@@ -335,7 +346,7 @@ class A2ATSCache(_BaseCache):
     def trim(self, n):
         n = min(self.offset, n)
         self.offset -= n
-        self._last_indices = None
+        self._last_selection = None
         return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
@@ -372,7 +383,7 @@ class A2ATSCache(_BaseCache):
             )
         self.keys, self.values, self.codes = keys, values, codes
         self.offset = keys.shape[2]
-        self._last_indices = None
+        self._last_selection = None
 
     @property
     def meta_state(self):
@@ -423,24 +434,26 @@ class A2ATSCache(_BaseCache):
                 f"got {tuple(queries.shape)}"
             )
         gqa_group(queries.shape[1], cb.n_kv_heads)
-        # Everything else was validated when the cache was built or appended to, so the kernel runs
-        # without the clause function's checks (and their host syncs).
-        keys, values = self.keys_and_values()
-        out, idx, _ = decode_gather_unchecked(
-            queries, keys, values, self.codes_view(), cb.C, query_pos=self.offset - 1, b=cfg.b, w=cfg.w,
+        # Everything else was validated when the cache was built or appended to, so no clause-level checks
+        # (and their host syncs) here. The kernel reads the preallocated buffers directly: n_tokens marks
+        # the valid prefix, so no sliced copy of keys/values/codes is made per step.
+        out, self._last_selection = decode_step_fast(
+            queries, self.keys, self.values, self.codes, cb.CT, query_pos=self.offset - 1, b=cfg.b, w=cfg.w,
             sinks=cfg.sinks, topk=cfg.topk, inv_freqs=self.inv_freqs, traditional=self.traditional,
-            scale=attention_scale(scale, cb.head_dim),
+            scale=attention_scale(scale, cb.head_dim), n_tokens=self.offset, return_selection=True,
         )
-        self._last_indices = idx  # every index in idx is selected (duplicates only repeat one)
         return out
 
     @property
     def last_selection(self) -> Optional[mx.array]:
-        """Bool (B, n_kv, T) mask of the tokens the last decode attended to (None before a decode)."""
-        if self._last_indices is None:
+        """Bool (B, n_kv, T) mask of the tokens the last decode attended to (None before a decode).
+
+        T is the cache length at that decode. Built on request from the kept index lists, so decoding
+        does not pay for it.
+        """
+        if self._last_selection is None:
             return None
-        sel = mx.zeros(self.codes_view().shape, dtype=mx.bool_)
-        return mx.put_along_axis(sel, self._last_indices, mx.array(True), axis=-1)
+        return self._last_selection.mask()
 
     def __repr__(self):
         c = self.config

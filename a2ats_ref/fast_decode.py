@@ -1,8 +1,11 @@
-"""RET-DECODE fast path: one A2ATS decode-attention step shaped the way mlx-lm hands it over.
+"""RET-DECODE — the runtime decode step: one A2ATS decode-attention step in mlx-lm's layout.
 
-Same result as ``retrieval.decode_step`` / ``a2ats_spec.oracle.decode_step`` (same selected set up to
-ties, same output to float tolerance), engineered for speed on MLX's CPU backend:
+This is the kernel A2ATSCache.decode runs on every generated token. Same result as the clause function
+``retrieval.decode_step`` / ``a2ats_spec.oracle.decode_step`` (same selected set up to near ties, same
+output to float tolerance), engineered for speed on MLX's CPU backend:
 
+* the query is moved to R_b by the EQ-12 kernel (``far_query_unchecked``: undo the float32 angle
+  mlx-lm applied at ``query_pos``, then apply b), so the LUT sees the same q_b as ``decode_step``;
 * no copy of the cache: keys/values are read only by a row gather from the flattened cache buffer
   (``n_tokens`` lets the caller pass its preallocated buffer instead of a sliced, copied view);
 * the LUT is one batched matmul against a pre-transposed codebook (``prepare_codebook``);
@@ -11,19 +14,25 @@ ties, same output to float tolerance), engineered for speed on MLX's CPU backend
   lists, with duplicates removed by an "owner" scatter (each token keeps exactly one slot; the others
   are masked to -inf), because an exact softmax over a multiset is not the softmax over the set;
 * exact softmax attention (float32) over the gathered post-RoPE keys/values;
-* everything but the host-side parameter work is one ``mx.compile``d graph per static shape, and the
-  per-step angle ``b - query_pos`` enters as data so decoding does not recompile every token.
+* everything but the host-side parameter work is one ``mx.compile``d graph per static shape, and
+  ``b`` and ``query_pos`` enter as data so decoding does not recompile every token;
+* the selected set is returned lazily (``Selection``): the cache keeps it and builds the bool mask
+  only when someone asks for ``last_selection``.
 """
 
 from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["prepare_codebook", "decode_step_fast", "selection_size", "tune_allocator"]
+from .eq12_far_keys import far_query_unchecked
+from .retrieval import topk_count
+
+__all__ = ["prepare_codebook", "decode_step_fast", "Selection", "selection_size", "tune_allocator"]
 
 #: candidate count from which method="auto" selects on the host (measured crossover on a 2-core EPYC)
 HOST_SELECT_MIN = 32768
@@ -56,20 +65,6 @@ def prepare_codebook(C, dtype=mx.float32) -> mx.array:
     return out
 
 
-def _topk_count(n: int, topk, n_cand: int) -> int:
-    if isinstance(topk, bool):
-        raise ValueError(f"topk: expected a float in (0, 1] or an int >= 1, got {topk!r}")
-    if isinstance(topk, (int, np.integer)):
-        if topk < 1:
-            raise ValueError(f"topk: an int topk must be >= 1, got {topk}")
-        count = int(topk)
-    else:
-        f = float(topk)
-        if not 0.0 < f <= 1.0:
-            raise ValueError(f"topk: a float topk must lie in (0, 1], got {f}")
-        count = int(f * n)
-    return min(count, n_cand)
-
 
 def _regions(n: int, w: int, sinks: int):
     """Forced (sinks + window) token indices and the candidate range [c0, c1) for n cached tokens."""
@@ -83,27 +78,18 @@ def _regions(n: int, w: int, sinks: int):
 def selection_size(T: int, *, n_q: int, n_kv: int, w: int, sinks: int, topk) -> int:
     """Upper bound on tokens gathered per KV head per step (forced + G·k, duplicates included)."""
     forced, c0, c1 = _regions(T, w, sinks)
-    return len(forced) + (n_q // n_kv) * _topk_count(T, topk, c1 - c0)
+    return len(forced) + (n_q // n_kv) * topk_count(T, topk, c1 - c0)
 
-
-def _rotate(x, cos, sin, traditional: bool):
-    """x R_θ on pairs: (a cos - b sin, a sin + b cos); cos/sin have shape (d/2,)."""
-    d = x.shape[-1]
-    if traditional:
-        xp = x.reshape(x.shape[:-1] + (d // 2, 2))
-        a, b = xp[..., 0], xp[..., 1]
-        return mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(x.shape)
-    a, b = x[..., : d // 2], x[..., d // 2:]
-    return mx.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
 
 
 @lru_cache(maxsize=64)
 def _lut_fn(B, n_kv, G, d, K, traditional, scale):
-    """Compiled: post-RoPE q (B, n_q, 1, d) -> LUT (B·n_kv, G, K) float32 of q R_{b-i} · C / sqrt(d)."""
+    """Compiled: post-RoPE q (B, n_q, 1, d) -> LUT (B·n_kv, G, K) float32 of scale · q R_{b-i} · C."""
     BH = B * n_kv
 
-    def lut(q, CT, cos, sin):
-        qb = _rotate(q.reshape(B, n_kv, G, d).astype(mx.float32), cos, sin, traditional) * scale
+    def lut(q, CT, inv_freqs, b, pos):
+        q = q.reshape(B, n_kv, G, d).astype(mx.float32)
+        qb = far_query_unchecked(q, b, inv_freqs, traditional=traditional, positions=pos) * scale
         return (qb @ CT).reshape(BH, G, K)
 
     return mx.compile(lut)
@@ -192,17 +178,44 @@ def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F):
     return mx.compile(attend)
 
 
+class Selection(NamedTuple):
+    """The token set one decode step attended to, kept lazily (building the mask costs O(T)).
+
+    idx/keep (B·n_kv, S): candidate token indices and which slots count (False on padding and on
+    repeats of a token another head of the GQA group also picked); forced: sink + window indices.
+    """
+
+    idx: mx.array
+    keep: mx.array
+    forced: mx.array
+    shape: tuple   # (B, n_kv, n_tokens)
+
+    def mask(self) -> mx.array:
+        """Bool (B, n_kv, n_tokens): True on every token the step attended to."""
+        B, n_kv, n = self.shape
+        BH, F = B * n_kv, self.forced.shape[0]
+        idx = mx.concatenate([mx.broadcast_to(self.forced[None], (BH, F)), self.idx], axis=-1)
+        keep = mx.concatenate([mx.ones((BH, F), dtype=mx.bool_), self.keep], axis=-1)
+        m = mx.zeros((BH, n + 1), dtype=mx.bool_)
+        if idx.shape[-1]:
+            # dropped slots write into the extra column n, which is cut off
+            m = mx.put_along_axis(m, mx.where(keep, idx, n), mx.array(True), axis=-1)
+        return m[:, :n].reshape(B, n_kv, n)
+
+
 def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int, w: int, sinks: int, topk,
                      inv_freqs, traditional: bool, scale: float | None = None, n_tokens: int | None = None,
-                     return_mask: bool = False, method: str = "auto", bucket: int = 256):
+                     return_mask: bool = False, return_selection: bool = False, method: str = "auto",
+                     bucket: int = 256):
     """One A2ATS decode-attention step (RET-DECODE), mlx-lm layout.
 
     queries (B, n_q, 1, d) post-RoPE at position ``query_pos``; keys/values (B, n_kv, T_buf, d|dv) post-RoPE
     (only the first ``n_tokens`` are valid, default T_buf; pass the cache's contiguous buffer, not a slice);
-    codes (B, n_kv, T_buf) unsigned ints; CT = prepare_codebook(C) (n_kv, d, K).
+    codes (B, n_kv, T_buf) unsigned ints; CT = prepare_codebook(C) (n_kv, d, K); inv_freqs (d/2,).
     Tokens j <= query_pos are visible (query_pos must be n_tokens - 1 or less).
     Returns (B, n_q, 1, dv) in the values' dtype, plus the bool selection mask (B, n_kv, n_tokens)
-    when ``return_mask`` (shape (B, n_kv, n_tokens)).
+    when ``return_mask``, or the lazy ``Selection`` when ``return_selection``.
+    Shapes and parameters are checked in pure Python (no host sync).
     """
     if queries.ndim != 4 or queries.shape[2] != 1:
         raise ValueError(f"queries: expected (B, n_q, 1, d), got shape {tuple(queries.shape)}")
@@ -212,7 +225,7 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     _, n_kv, T_buf, _ = keys.shape
     if values.ndim != 4 or values.shape[:3] != keys.shape[:3]:
         raise ValueError(f"values: expected ({B}, {n_kv}, {T_buf}, dv), got shape {tuple(values.shape)}")
-    if codes.shape != (B, n_kv, T_buf) and codes.shape[:2] != (B, n_kv):
+    if codes.ndim != 3 or codes.shape[:2] != (B, n_kv):
         raise ValueError(f"codes: expected ({B}, {n_kv}, {T_buf}), got shape {tuple(codes.shape)}")
     if n_q % n_kv:
         raise ValueError(f"queries: n_q={n_q} must be a multiple of n_kv={n_kv}")
@@ -220,6 +233,9 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
         raise ValueError(f"queries: head dim d must be even, got {d}")
     if CT.ndim != 3 or CT.shape[0] != n_kv or CT.shape[1] != d:
         raise ValueError(f"CT: expected prepare_codebook(C) of shape ({n_kv}, {d}, K), got {tuple(CT.shape)}")
+    inv = inv_freqs if isinstance(inv_freqs, mx.array) else mx.array(np.asarray(inv_freqs, np.float32))
+    if inv.shape != (d // 2,):
+        raise ValueError(f"inv_freqs: expected shape ({d // 2},), got {tuple(inv.shape)}")
     n_tokens = T_buf if n_tokens is None else int(n_tokens)
     if not 1 <= n_tokens <= min(T_buf, codes.shape[-1]):
         raise ValueError(f"n_tokens: expected 1..{min(T_buf, codes.shape[-1])}, got {n_tokens}")
@@ -228,18 +244,15 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
         raise ValueError(f"query_pos: expected 0..n_tokens-1={n_tokens - 1}, got {i}")
     n = i + 1
     forced, c0, c1 = _regions(n, int(w), int(sinks))
-    kk = _topk_count(n, topk, c1 - c0)   # RET-TOPK counts the tokens the query sees, i + 1 (= T at decode)
+    kk = topk_count(n, topk, c1 - c0)   # RET-TOPK counts the tokens the query sees, i + 1 (= T at decode)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    theta = (float(b) - i) * np.asarray(inv_freqs, dtype=np.float64)
-    if theta.shape != (d // 2,):
-        raise ValueError(f"inv_freqs: expected shape ({d // 2},), got {theta.shape}")
-    cos = mx.array(np.cos(theta).astype(np.float32))
-    sin = mx.array(np.sin(theta).astype(np.float32))
     BH, G, K = B * n_kv, n_q // n_kv, CT.shape[-1]
     if method == "auto":
         method = "host" if c1 - c0 >= HOST_SELECT_MIN else "mlx"
     if kk > 0:
-        lut = _lut_fn(B, n_kv, G, d, K, bool(traditional), scale)(queries, CT, cos, sin)
+        f32 = mx.float32
+        lut = _lut_fn(B, n_kv, G, d, K, bool(traditional), scale)(
+            queries, CT, inv.astype(f32), mx.array(float(b), f32), mx.array(float(i), f32))
         if method == "host":
             mx.eval(lut)
             idx, keep = _select_host(lut, codes, BH=BH, G=G, K=K, kk=kk, c0=c0, c1=c1, bucket=bucket)
@@ -249,14 +262,10 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
             raise ValueError(f"method: expected 'host' or 'mlx', got {method!r}")
     else:
         idx, keep = mx.zeros((BH, 0), dtype=mx.int32), mx.zeros((BH, 0), dtype=mx.bool_)
+    forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
     fn = _attend_fn(B, n_q, n_kv, d, values.shape[-1], T_buf, len(forced))
-    out = fn(queries, keys, values, idx, keep, mx.array(np.asarray(forced, dtype=np.int32)),
-             mx.array(scale, dtype=mx.float32))
-    if not return_mask:
+    out = fn(queries, keys, values, idx, keep, forced_idx, mx.array(scale, dtype=mx.float32))
+    if not (return_mask or return_selection):
         return out
-    mask = np.zeros((BH, n_tokens), dtype=bool)
-    mask[:, list(forced)] = True
-    ii, kp = np.asarray(idx), np.asarray(keep)
-    for g in range(BH):
-        mask[g, ii[g][kp[g]]] = True
-    return out, mx.array(mask.reshape(B, n_kv, n_tokens))
+    sel = Selection(idx, keep, forced_idx, (B, n_kv, n_tokens))
+    return out, (sel if return_selection else sel.mask())

@@ -6,10 +6,10 @@ per query head, take the union over the GQA group, add sinks and the recent
 window, and run exact softmax attention (true RoPE positions) over that set.
 Query head h reads KV head h // G (contiguous groups, as in mlx-lm).
 
-decode_step is the clause function (a dense boolean mask over all T tokens);
-decode_attention_gather is the runtime path: it gathers only the selected rows,
-so attention costs O(selected) instead of O(T). Its kernel, decode_gather_unchecked,
-skips validation and is what the cache calls on every decode step.
+decode_step is the clause function: readable, validated, a dense boolean mask over
+all T tokens. The runtime path (gather only the selected rows, so attention costs
+O(selected) instead of O(T)) is a2ats_ref.fast_decode.decode_step_fast, which the
+cache calls on every decode step; tests pin it to decode_step and the oracle.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numbers
 import mlx.core as mx
 
 from . import checks
-from .eq12_far_keys import far_query, far_query_unchecked
+from .eq12_far_keys import far_query
 
 
 def gqa_group(n_q: int, n_kv: int) -> int:
@@ -194,79 +194,3 @@ def decode_step(
     mask = select_tokens(s, n_kv_heads=kk.shape[-3], query_pos=query_pos, w=w, sinks=sinks, topk=topk)
     out = retrieval_attention(q, kk, v, mask, scale=scale)
     return (out, mask) if return_mask else out
-
-
-def decode_attention_gather(
-    queries, keys, values, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional, scale=None,
-    return_indices: bool = False,
-):
-    """RET-DECODE, runtime path in mlx-lm layout; same result as decode_step.
-
-    queries (B, n_q, 1, d) post-RoPE at query_pos; keys/values (B, n_kv, T, d|dv) post-RoPE;
-    codes (B, n_kv, T) integer; C (n_kv, K, d) float32 key-space codebooks -> (B, n_q, 1, dv).
-    Only shapes and parameters are checked (no host syncs); decode_gather_unchecked does the work.
-    With return_indices, also returns idx (B, n_kv, S) and valid (B, n_kv, S) (see the kernel).
-    """
-    if queries.ndim != 4 or queries.shape[-2] != 1:
-        raise ValueError(f"queries: expected shape (B, n_q, 1, d), got {tuple(queries.shape)}")
-    if keys.ndim != 4 or values.ndim != 4 or codes.ndim != 3:
-        raise ValueError(
-            f"keys/values/codes: expected (B, n_kv, T, d), (B, n_kv, T, dv), (B, n_kv, T); got "
-            f"{tuple(keys.shape)}, {tuple(values.shape)}, {tuple(codes.shape)}"
-        )
-    B, n_q, _, d = queries.shape
-    n_kv, T = keys.shape[1], keys.shape[2]
-    if codes.shape[1:] != (n_kv, T) or values.shape[1:3] != (n_kv, T) or keys.shape[-1] != d:
-        raise ValueError(
-            f"keys/values/codes: KV head and token axes must agree with keys (n_kv={n_kv}, T={T}, d={d}); got "
-            f"{tuple(keys.shape)}, {tuple(values.shape)}, {tuple(codes.shape)}"
-        )
-    if not isinstance(inv_freqs, mx.array) or inv_freqs.shape != (d // 2,):
-        raise ValueError(f"inv_freqs: expected an mx.array of shape ({d // 2},), got {getattr(inv_freqs, 'shape', inv_freqs)!r}")
-    if C.ndim != 3 or C.shape[0] != n_kv or C.shape[-1] != d:
-        raise ValueError(f"C: expected codebooks of shape ({n_kv}, K, {d}), got shape {tuple(C.shape)}")
-    _, i, w, sinks, _ = check_select_args(T, n_q, n_kv, query_pos, w, sinks, topk)
-    s = attention_scale(scale, d)
-    b = checks.check_nonneg_int(b, "b")
-    out, idx, valid = decode_gather_unchecked(
-        queries, keys, values, codes, C.astype(mx.float32), query_pos=i, b=b, w=w, sinks=sinks, topk=topk,
-        inv_freqs=inv_freqs.astype(mx.float32), traditional=traditional, scale=s,
-    )
-    return (out, idx, valid) if return_indices else out
-
-
-def decode_gather_unchecked(queries, keys, values, codes, C, *, query_pos: int, b: int, w: int, sinks: int, topk,
-                            inv_freqs, traditional: bool, scale: float):
-    """RET-DECODE kernel of decode_attention_gather: no validation, hence no host syncs (the cache's decode).
-
-    Expects what decode_attention_gather has checked: mlx-lm layout shapes that agree, n_kv dividing n_q,
-    0 <= query_pos < T, valid w/sinks/topk/b, float32 C and inv_freqs, a float scale.
-    Returns (out (B, n_q, 1, dv) in the value dtype, idx (B, n_kv, S) sorted token indices, valid (B, n_kv, S):
-    False on repeats of the previous index, which attention masks out).
-    """
-    B, n_q, _, d = queries.shape
-    n_kv, T = keys.shape[1], keys.shape[2]
-    G, i = n_q // n_kv, query_pos
-    q = queries[:, :, 0, :].astype(mx.float32)
-    qb = far_query_unchecked(q, mx.array(float(b)), inv_freqs, traditional=traditional, positions=mx.array(float(i)))
-    lut = (scale * qb.reshape(B, n_kv, G, d)) @ mx.swapaxes(C, -1, -2)  # (B, n_kv, G, K)
-    idx_codes = mx.broadcast_to(codes.astype(mx.int32)[:, :, None, :], (B, n_kv, G, T))
-    scores = mx.take_along_axis(lut, idx_codes, axis=-1)  # (B, n_kv, G, T)
-
-    fixed = list(range(min(sinks, i + 1))) + list(range(max(min(sinks, i + 1), i + 1 - w), i + 1))
-    k = topk_count(i + 1, topk, _n_candidates(i, w, sinks))
-    parts = [mx.broadcast_to(mx.array(fixed, dtype=mx.int32), (B, n_kv, len(fixed)))] if fixed else []
-    if k:
-        _, _, cand = _fixed_sets(T, i, w, sinks)
-        top = _topk_indices(scores, cand, k).astype(mx.int32)  # (B, n_kv, G, k)
-        parts.append(top.reshape(B, n_kv, G * k))
-    # A fixed budget per KV head (sinks + window + G * k) keeps shapes static; a token picked by several
-    # heads of the group is kept once by masking its repeats after the sort.
-    idx = mx.sort(mx.concatenate(parts, axis=-1), axis=-1)
-    dup = mx.concatenate([mx.zeros((B, n_kv, 1), dtype=mx.bool_), idx[..., 1:] == idx[..., :-1]], axis=-1)
-    bias = mx.where(dup, -mx.inf, 0.0)[:, :, None, :]
-
-    k_sel = mx.take_along_axis(keys, idx[..., None], axis=2).astype(mx.float32)
-    v_sel = mx.take_along_axis(values, idx[..., None], axis=2).astype(mx.float32)
-    out = attend(queries.astype(mx.float32).reshape(B, n_kv, G, d), k_sel, v_sel, bias, scale, values.dtype)
-    return out.reshape(B, n_q, 1, values.shape[-1]), idx, ~dup

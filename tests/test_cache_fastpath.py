@@ -1,7 +1,9 @@
-"""The cache's sync-free hot path (append -> codes, decode) equals the checked clause functions, bit for bit.
+"""The cache's sync-free hot path (append -> codes, decode) agrees with the checked clause functions.
 
-The cache calls the clause modules' *_unchecked kernels directly; these tests drive the cache itself and
-compare with the validated public functions, so a wrong argument mapping in the cache shows up here.
+Appending calls the clause modules' *_unchecked kernels (codes equal assign_z(far_keys(...)) bit for bit);
+decoding runs fast_decode.decode_step_fast on the preallocated buffers. These tests drive the cache itself
+and compare with the validated public functions (retrieval.decode_step, retrieval.retrieval_attention) and
+the oracle's allowed-result sets, so a wrong argument mapping or a stale buffer row shows up here.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import a2ats_spec.oracle as O
+from a2ats_conformance.tolerances import tie_margin, tolerance
 from a2ats_ref import cache as C
 from a2ats_ref.eq12_far_keys import far_keys
 from a2ats_ref.eq16_z_transform import assign_z
-from a2ats_ref.retrieval import decode_attention_gather, decode_step
+from a2ats_ref.retrieval import decode_step, retrieval_attention
 from a2ats_ref.rope import rope_inv_freqs
 from test_cache_support import quiet_codebook
 
@@ -42,6 +46,37 @@ def test_appended_codes_match_clause_functions(traditional):
     np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
+def _check_decode(cache, q, scale, traditional):
+    """cache.decode(q) against decode_step on the cache's valid prefix, the oracle's allowed sets, and
+    exact attention (retrieval_attention) over the selection the cache reports."""
+    cfg, lc, T = cache.config, cache.codebook, cache.offset
+    k, v = cache.keys_and_values()
+    codes = cache.codes_view()
+    out = cache.decode(q, scale=scale)
+    sel = np.array(cache.last_selection)
+    kw = dict(query_pos=T - 1, b=cfg.b, w=cfg.w, sinks=cfg.sinks, topk=cfg.topk, inv_freqs=cache.inv_freqs,
+              traditional=traditional, scale=scale)
+    ref, mask = decode_step(q[:, :, 0, :], k, v, codes, lc.C, return_mask=True, **kw)
+    mask = np.array(mask)
+    f64 = lambda a: np.array(a, dtype=np.float64)
+    qb = O.far_query(f64(q[:, :, 0, :]), b=cfg.b, inv_freqs=f64(cache.inv_freqs), traditional=traditional,
+                     positions=T - 1)
+    scores = O.token_scores(O.lut_scores(qb, f64(lc.C), scale=scale), np.array(codes))
+    must, may = O.select_tokens_allowed(scores, n_kv_heads=NKV, query_pos=T - 1, w=cfg.w, sinks=cfg.sinks,
+                                        topk=cfg.topk, margin=tie_margin("float32", "RET-SELECT"))
+    assert sel.shape == mask.shape == (q.shape[0], NKV, T)
+    assert not (must & ~sel).any() and not (sel & ~may).any(), "RET-SELECT: selection outside the allowed set"
+    # Outside the near-tie band the hot path and the clause function pick exactly the same tokens.
+    firm = ~(may & ~must)
+    np.testing.assert_array_equal(sel & firm, mask & firm)
+    rtol, atol = tolerance("float32", "RET-ATTN")
+    want = retrieval_attention(q[:, :, 0, :], k, v, mx.array(sel), scale=scale)
+    np.testing.assert_allclose(np.array(out)[:, :, 0], np.array(want), rtol=rtol, atol=atol)
+    if (sel == mask).all():
+        np.testing.assert_allclose(np.array(out)[:, :, 0], np.array(ref), rtol=rtol, atol=atol)
+    return out
+
+
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("topk", [0.1, 3, 1.0])
 def test_decode_matches_retrieval_clause_functions(traditional, topk):
@@ -51,13 +86,24 @@ def test_decode_matches_retrieval_clause_functions(traditional, topk):
     lc = quiet_codebook(1, NKV, D, K=K).layers[0]
     cfg = C.A2ATSConfig(w=6, b=300, sinks=3, topk=topk)
     cache = _seeded_cache(lc, inv, traditional, T, rng, cfg)
-    k, v = cache.keys_and_values()
-    codes = cache.codes_view()
     q = mx.array(rng.standard_normal((2, NQ, 1, D)).astype(np.float32))
-    out = cache.decode(q, scale=0.3)
-    kw = dict(query_pos=T - 1, b=cfg.b, w=cfg.w, sinks=cfg.sinks, topk=cfg.topk, inv_freqs=inv,
-              traditional=traditional, scale=0.3)
-    ref = decode_attention_gather(q, k, v, codes, lc.C, **kw)
-    np.testing.assert_array_equal(np.array(out), np.array(ref))
-    _, mask = decode_step(q[:, :, 0, :], k, v, codes, lc.C, return_mask=True, **kw)
-    np.testing.assert_array_equal(np.array(cache.last_selection), np.array(mask))
+    _check_decode(cache, q, 0.3, traditional)
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+def test_decode_reads_only_the_valid_prefix_of_the_buffer(traditional):
+    """After appends (256-row preallocation) and a trim, rows past offset are stale and must not be read."""
+    rng = np.random.default_rng(2)
+    inv = rope_inv_freqs(D, 10000.0)
+    lc = quiet_codebook(1, NKV, D, K=K).layers[0]
+    cache = C.A2ATSCache(lc, inv, traditional, C.A2ATSConfig(w=5, b=200, sinks=2, topk=0.2))
+    x = mx.array(rng.standard_normal((2, NKV, 120, D)).astype(np.float32))
+    cache.update_and_fetch(x, x)
+    big = mx.full((2, NKV, 10, D), 1e3)
+    cache.update_and_fetch(big, big)   # would dominate the softmax if read after the trim
+    assert cache.trim(10) == 10 and cache.keys.shape[2] == 256
+    q = mx.array(rng.standard_normal((2, NQ, 1, D)).astype(np.float32))
+    _check_decode(cache, q, D ** -0.5, traditional)
+    assert cache.last_selection.shape == (2, NKV, 120)
+    cache.trim(1)
+    assert cache.last_selection is None

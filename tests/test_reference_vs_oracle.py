@@ -27,9 +27,10 @@ from a2ats_ref.eq15_cholesky import cholesky
 from a2ats_ref.eq16_z_transform import assign_z, z_transform
 from a2ats_ref.eq17_kmeans import kmeans, kmeanspp_init, lloyd_step
 from a2ats_ref.eq18_back_transform import back_transform
+from a2ats_ref.fast_decode import decode_step_fast, prepare_codebook
 from a2ats_ref.prefill import prefill_attention
 from a2ats_ref.retrieval import (
-    decode_attention_gather, decode_step, lut_scores, retrieval_attention, select_tokens, token_scores, topk_count,
+    decode_step, lut_scores, retrieval_attention, select_tokens, token_scores, topk_count,
 )
 from a2ats_ref.rope import rope_apply, rope_inv_freqs, rope_invert, rope_params_from_module
 
@@ -396,13 +397,13 @@ def test_decode_step(dtype, w, sinks, topk):
     _check_mask(mask, scores, "float32", n_kv_heads=2, query_pos=T - 1, w=w, sinks=sinks, topk=topk)
     # Attention is exact over whatever valid set was chosen.
     assert_close(out, O.retrieval_attention(qo, ko, vo, np.array(mask)), dtype, "RET-DECODE")
-    # The gather path selects the same set and gives the same output.
-    g, idx, valid = decode_attention_gather(q[:, :, None, :], k, v, mx.array(codes), mx.array(C), inv_freqs=inv,
-                                            return_indices=True, **kw)
-    m2 = np.zeros(np.array(mask).shape[:-1] + (T + 1,), bool)  # slot T collects masked duplicates
-    np.put_along_axis(m2, np.where(np.array(valid), np.array(idx), T), True, axis=-1)
-    assert np.array_equal(m2[..., :T], np.array(mask))
-    assert_close(g[:, :, 0, :], f64(out), dtype, "RET-DECODE", "gather path")
+    # The runtime kernel (fast_decode, what A2ATSCache.decode runs) also picks a valid set, and its output
+    # is exact attention over the set it picked.
+    g, m2 = decode_step_fast(q[:, :, None, :], k, v, mx.array(codes), prepare_codebook(mx.array(C)), inv_freqs=inv,
+                             return_mask=True, **kw)
+    _check_mask(m2, scores, "float32", n_kv_heads=2, query_pos=T - 1, w=w, sinks=sinks, topk=topk)
+    assert g.dtype == DTYPES[dtype]
+    assert_close(g[:, :, 0, :], O.retrieval_attention(qo, ko, vo, np.array(m2)), dtype, "RET-DECODE", "fast path")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
