@@ -21,8 +21,14 @@ from a2ats_spec.clauses import clause_ids
 
 
 def _properties():
-    """(module, function name, cited clauses) for every test function of the suite."""
+    """(module, function name, cited clauses) for every test function of the suite.
+
+    The imported test modules are dropped from sys.modules afterwards: when the suite is installed
+    (not editable), pytest's nested run in the other tests would otherwise reuse these copies, which
+    were decorated outside the suite's plugin and then fail Hypothesis' fixture health check.
+    """
     out = []
+    before = set(sys.modules)
     for m in pkgutil.iter_modules(a2ats_conformance.__path__):
         if not m.name.startswith("test_"):
             continue
@@ -33,6 +39,9 @@ def _properties():
             if name.startswith("test_") and callable(fn):
                 cited = [c for mk in getattr(fn, "pytestmark", []) if mk.name == "clause" for c in mk.args]
                 out.append((m.name, name, cited))
+    for name in set(sys.modules) - before:
+        if name.startswith("a2ats_conformance.test_"):
+            del sys.modules[name]
     return out
 
 
