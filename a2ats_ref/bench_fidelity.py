@@ -408,5 +408,29 @@ def run(profile: str) -> dict:
 
 
 def markdown(res: dict) -> str:
-    import json
-    return f"# a2ats-bench fidelity ({res.get('profile')})\n\n```\n{json.dumps(res, indent=1)}\n```\n"
+    """The summary tables; the JSON file holds everything (per-layer errors, passkey answers)."""
+    m, cb = res["machine"], res["codebook"]
+    blas = (m.get("blas") or {}).get("config") or "reference BLAS"
+    lines = [f"# a2ats-bench fidelity ({res['profile']})", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores, MLX {m['mlx']}, {blas}. Model: {res['model']}.",
+             f"Codebooks: K={cb['K']}, {cb['calib_tokens']} calibration tokens, {cb['kmeans_iters']} k-means steps "
+             f"({cb['source']}). Text: evaluation {res['text']['eval']}; calibration {res['text']['calibration']}.",
+             "", "| measurement | dense | A2ATS (query-aware) | plain VQ | compression-only | top-K by exact scores |",
+             "|---|---:|---:|---:|---:|---:|"]
+    se = res["score_error"]
+    lines.append(f"| relative score error, mean over layers | — | {se['query_aware']['mean']:.4f} | "
+                 f"{se['plain']['mean']:.4f} | — | — |")
+    for frac, r in res["attention_mass_recall"].items():
+        lines.append(f"| attention-mass recall at topk {frac} | 1 | {r['a2ats']:.3f} | {r['plain_vq']:.3f} | — | "
+                     f"{r['oracle']:.3f} |")
+    ppl = res.get("ppl")
+    if isinstance(ppl, dict):
+        lines.append(f"| perplexity, {ppl['scored_tokens']} tokens after a {ppl['prefill_tokens']}-token dense prefill | "
+                     f"{ppl['dense']:.3f} | {ppl['a2ats']:.3f} | — | {ppl['compression_only']:.3f} | — |")
+    pk = res.get("passkey")
+    if isinstance(pk, dict):
+        n = len(pk["cases"])
+        lines.append(f"| passkey accuracy, {n} depth(s) in {pk['context_tokens']} tokens | {pk['dense_accuracy']:.2f} | "
+                     f"{pk['a2ats_accuracy']:.2f} | — | {pk['compression_only_accuracy']:.2f} | — |")
+    lines += ["", f"Wall time: {res['wall_s']:.0f} s."]
+    return "\n".join(lines) + "\n"
