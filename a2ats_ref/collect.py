@@ -1,0 +1,249 @@
+"""Collect calibration statistics from a running mlx-lm model.
+
+For every (layer, KV head) we need (EQ-10, EQ-17):
+- the pre-RoPE keys of all calibration tokens (k-means runs on them, so they are kept, float32);
+- the second moment of the R_b-rotated pre-RoPE queries, pooled over the GQA group. Queries are not
+  kept: ``sum q~^T q~`` (float64) and the number of (head, token) rows are accumulated on the fly.
+
+Capture point: each attention module calls ``self.rope(queries, offset=...)`` and then
+``self.rope(keys, offset=...)`` on the projected (and, where the model has them, q/k-normed)
+heads. Replacing the module's ``rope`` by a pass-through that records its input sees exactly
+the pre-RoPE q and k, for any architecture that follows that pattern (the ones
+``a2ats_ref.hook.SUPPORTED_MODULES`` lists). The first call of a forward pass is the queries,
+the second the keys; the head counts are checked against the module's.
+
+Sequences are prefilled in chunks through an mlx-lm KVCache, so every chunk sees its full causal
+context; each sequence starts from an empty cache. Only the model body runs (no LM head).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .rope import rope_apply, rope_params_from_module
+
+
+def attention_layers(model) -> list:
+    """Each layer's attention module (the child that owns ``rope``), in layer order."""
+    body = getattr(model, "model", model)
+    layers = getattr(model, "layers", None) or getattr(body, "layers", None)
+    if layers is None:
+        raise ValueError(f"model: {type(model).__name__} has no .layers; expected an mlx-lm decoder model")
+    out = []
+    for i, layer in enumerate(layers):
+        attn = next(
+            (getattr(layer, n) for n in ("self_attn", "attention", "attn") if hasattr(getattr(layer, n, None), "rope")),
+            None,
+        )
+        if attn is None:
+            raise ValueError(
+                f"model: layer {i} ({type(layer).__name__}) has no attention module with a RoPE (`rope`); "
+                "A2ATS calibrates models that use rotary position embeddings"
+            )
+        out.append(attn)
+    return out
+
+
+def head_counts(attn) -> tuple[int, int, int]:
+    """(n_q, n_kv, head_dim) of an mlx-lm attention module."""
+    n_q = getattr(attn, "n_heads", None) or getattr(attn, "num_heads", None) or getattr(attn, "num_attention_heads", None)
+    n_kv = getattr(attn, "n_kv_heads", None) or getattr(attn, "num_key_value_heads", None) or n_q
+    d = getattr(attn, "head_dim", None)
+    if d is None and n_q:
+        w = attn.q_proj.weight
+        out_features = w.shape[0]
+        d = out_features // n_q
+    if not (n_q and n_kv and d):
+        raise ValueError(f"model: cannot read the head counts of {type(attn).__name__}")
+    return int(n_q), int(n_kv), int(d)
+
+
+@dataclass
+class Collected:
+    """What calibration needs, per layer l: keys[l] (n_kv, N, d) float32 pre-RoPE keys, qsum[l] (n_kv, d, d)
+    float64 (sum over group heads and tokens of q~^T q~, q~ = q R_b), qcount[l] rows summed per KV head."""
+
+    keys: list
+    qsum: list
+    qcount: list
+    n_tokens: int
+    b: int
+    seconds: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+
+class _Capture(nn.Module):
+    """Stands in for an attention module's ``rope``: records the pre-RoPE q (1st call) and k (2nd)."""
+
+    def __init__(self, rope, layer: int, sink: "_Sink"):
+        super().__init__()
+        self.inner = rope
+        self._layer = layer
+        self._sink = sink
+        self._calls = 0
+
+    def __call__(self, x, *args, **kwargs):
+        if self._sink.active:
+            (self._sink.on_queries if self._calls % 2 == 0 else self._sink.on_keys)(self._layer, x)
+            self._calls += 1
+        return self.inner(x, *args, **kwargs)
+
+
+class _Sink:
+    def __init__(self, n_layers, n_q, n_kv, d, b, inv_freqs, traditional):
+        self.active = False
+        self.n_q, self.n_kv, self.d, self.b = n_q, n_kv, d, b
+        self.inv_freqs, self.traditional = inv_freqs, traditional
+        self.q_parts: list[list] = [[] for _ in range(n_layers)]  # per chunk, (n_kv, d, d) float32
+        self.k_parts: list[list] = [[] for _ in range(n_layers)]
+        self.qcount = [0] * n_layers
+
+    def on_queries(self, layer: int, q: mx.array):
+        B, H, T, d = q.shape
+        if H != self.n_q or d != self.d:
+            raise ValueError(f"layer {layer}: expected queries with {self.n_q} heads of dim {self.d}, got {q.shape}")
+        G = self.n_q // self.n_kv
+        # Raw second moment sum q^T q per KV head; R_b is applied once at the end (rotated_sums), since
+        # sum (q R_b)^T (q R_b) = R_b^T (sum q^T q) R_b. Keeps the per-chunk work to one small matmul.
+        qf = q.astype(mx.float32).reshape(B, self.n_kv, G, T, d).transpose(1, 0, 2, 3, 4).reshape(self.n_kv, B * G * T, d)
+        self.q_parts[layer].append(mx.swapaxes(qf, -1, -2) @ qf)
+        self.qcount[layer] += B * G * T
+
+    def rotated_sums(self, layer: int, raw: np.ndarray) -> np.ndarray:
+        """sum over rows of q~^T q~ (q~ = q R_b) from the raw sum of q^T q, float64."""
+        R = np.array(
+            rope_apply(mx.eye(self.d, dtype=mx.float32), self.b, self.inv_freqs[layer], traditional=self.traditional[layer])
+        ).astype(np.float64)  # x R_b == rope_apply(x, b) for row vectors x
+        return R.T @ raw @ R
+
+    def on_keys(self, layer: int, k: mx.array):
+        B, H, T, d = k.shape
+        if H != self.n_kv or d != self.d:
+            raise ValueError(f"layer {layer}: expected keys with {self.n_kv} heads of dim {self.d}, got {k.shape}")
+        self.k_parts[layer].append(k.astype(mx.float32).transpose(1, 0, 2, 3).reshape(self.n_kv, B * T, d))
+
+
+def model_rope_params(model) -> tuple[list, list[bool]]:
+    """Per layer (inv_freqs, traditional); ValueError for a model without a supported RoPE."""
+    attns = attention_layers(model)
+    invs, trads = [], []
+    for attn in attns:
+        _, _, d = head_counts(attn)
+        inv, trad = rope_params_from_module(attn.rope, d)
+        invs.append(inv)
+        trads.append(trad)
+    return invs, trads
+
+
+def collect(
+    model,
+    sequences: Iterable[Sequence[int]],
+    *,
+    b: int,
+    chunk: int = 512,
+    progress: Callable[[int, int], None] | None = None,
+    total_tokens: int | None = None,
+) -> Collected:
+    """Run ``model`` over token ``sequences`` (each from an empty cache) and gather EQ-10/EQ-17 inputs."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if chunk < 1:
+        raise ValueError(f"chunk: expected a positive number of tokens per prefill step, got {chunk}")
+    attns = attention_layers(model)
+    n_layers = len(attns)
+    counts = {head_counts(a) for a in attns}
+    if len(counts) != 1:
+        raise ValueError(f"model: layers differ in head counts {sorted(counts)}; not supported")
+    n_q, n_kv, d = counts.pop()
+    if n_q % n_kv:
+        raise ValueError(f"model: {n_kv} KV heads do not divide {n_q} query heads")
+    invs, trads = model_rope_params(model)
+    sink = _Sink(n_layers, n_q, n_kv, d, b, invs, trads)
+    body = getattr(model, "model", model)
+    originals = [a.rope for a in attns]
+    for i, a in enumerate(attns):
+        a.rope = _Capture(originals[i], i, sink)
+    t0 = time.perf_counter()
+    done = 0
+    qsum = [np.zeros((n_kv, d, d), np.float64) for _ in range(n_layers)]
+    keys_np: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
+    try:
+        sink.active = True
+        for seq in sequences:
+            seq = list(seq)
+            if not seq:
+                continue
+            cache = make_prompt_cache(model)
+            for s in range(0, len(seq), chunk):
+                ids = mx.array(seq[s : s + chunk])[None]
+                h = body(ids, cache=cache)
+                mx.eval(h, [sink.q_parts, sink.k_parts], [c.state for c in cache])
+                for l in range(n_layers):
+                    for part in sink.q_parts[l]:
+                        qsum[l] += np.array(part, dtype=np.float64)
+                    for part in sink.k_parts[l]:
+                        keys_np[l].append(np.array(part))
+                    sink.q_parts[l].clear()
+                    sink.k_parts[l].clear()
+                done += ids.shape[1]
+                if progress is not None:
+                    progress(done, total_tokens or done)
+    finally:
+        sink.active = False
+        for a, r in zip(attns, originals):
+            a.rope = r
+    keys = [np.concatenate(parts, axis=1) if parts else np.zeros((n_kv, 0, d), np.float32) for parts in keys_np]
+    qsum = [sink.rotated_sums(l, qsum[l]) for l in range(n_layers)]
+    return Collected(
+        keys=keys,
+        qsum=qsum,
+        qcount=list(sink.qcount),
+        n_tokens=done,
+        b=b,
+        seconds=time.perf_counter() - t0,
+        meta={"n_layers": n_layers, "n_q": n_q, "n_kv": n_kv, "head_dim": d},
+    )
+
+
+def moment_from_sums(qsum: np.ndarray, count: int, *, ridge: float = 1e-6) -> mx.array:
+    """EQ-10 from accumulated sums: H = qsum / count, then H / sqrt(mean(H**2)) + ridge*I (float32).
+
+    Same formula as ``eq10_query_moment.query_moment`` (which takes the queries themselves);
+    sums are accumulated in float64 so 80K-token calibrations do not lose precision.
+    """
+    if count < 1:
+        raise ValueError("no calibration queries were collected (count = 0)")
+    H = np.asarray(qsum, dtype=np.float64) / count
+    rms = np.sqrt(np.mean(H * H, axis=(-2, -1), keepdims=True))
+    if np.any(rms <= 0) or not np.all(np.isfinite(H)):
+        raise ValueError("calibration queries of a KV head are all zero or non-finite; H cannot be normalised")
+    d = H.shape[-1]
+    return mx.array((H / rms + ridge * np.eye(d)).astype(np.float32))
+
+
+def text_progress(label: str, *, stream=sys.stderr, every: float = 1.0) -> Callable[[int, int], None]:
+    """A plain-text progress printer: ``label  done/total  pct  elapsed  eta``, at most once per ``every`` s."""
+    t0 = time.perf_counter()
+    last = [-1e9]
+
+    def report(done: int, total: int):
+        now = time.perf_counter()
+        if now - last[0] < every and done < total:
+            return
+        last[0] = now
+        el = now - t0
+        frac = done / total if total else 1.0
+        eta = el / frac - el if frac > 0 else float("nan")
+        stream.write(f"\r{label}: {done}/{total} ({100 * frac:5.1f}%) {el:6.0f}s elapsed, ~{eta:5.0f}s left ")
+        if done >= total:
+            stream.write("\n")
+        stream.flush()
+
+    return report

@@ -1,0 +1,167 @@
+"""Calibration text: user files/folders, or a default corpus that ships with Python, plus a UUID tail.
+
+The authors calibrate on about 64K tokens of web text plus about 16K tokens of random UUID
+strings. Nothing may be downloaded here, so the default text is the Python standard library's
+own ``.py`` sources (code, docstrings, comments), read in a fixed order: sorted by the sha256 of
+the path relative to the stdlib root, which mixes modules without any randomness. That text
+depends on the Python version, which the codebook metadata records.
+
+The UUID tail is ``uuid_fraction`` x (text tokens) tokens of random UUID4 strings drawn from
+``random.Random(seed)``, one per line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import sys
+import sysconfig
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".html", ".c", ".h", ".toml", ".cfg", ".ini", ".csv")
+
+
+def stdlib_files() -> list[Path]:
+    """The stdlib's .py files (site-packages and test suites excluded), in the fixed corpus order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [n for n in dirnames if n not in skip]
+        rel_dir = Path(dirpath).relative_to(root)
+        for n in filenames:
+            if n.endswith(".py"):
+                rel = (rel_dir / n).as_posix()
+                files.append((hashlib.sha256(rel.encode()).hexdigest(), Path(dirpath) / n))
+    files.sort()
+    return [p for _, p in files]
+
+
+def user_files(paths: Iterable) -> list[Path]:
+    """Files named by the user; folders are walked (sorted) for text-like files."""
+    out = []
+    for raw in paths:
+        p = Path(raw)
+        if not p.exists():
+            raise FileNotFoundError(f"--text: {p} does not exist")
+        if p.is_dir():
+            found = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in TEXT_SUFFIXES)
+            if not found:
+                raise ValueError(f"--text: folder {p} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+            out.extend(found)
+        else:
+            out.append(p)
+    return out
+
+
+def read_text(p: Path) -> str:
+    try:
+        return p.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise ValueError(f"cannot read calibration text {p}: {exc}") from None
+
+
+def uuid_text(n_lines: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return "\n".join(str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(n_lines))
+
+
+@dataclass
+class Corpus:
+    """Token sequences ready for :func:`a2ats_ref.collect.collect` plus a description for metadata."""
+
+    sequences: list = field(default_factory=list)
+    text_tokens: int = 0
+    uuid_tokens: int = 0
+    description: dict = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.text_tokens + self.uuid_tokens
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    enc = getattr(tokenizer, "encode")
+    try:
+        return list(enc(text, add_special_tokens=False))
+    except TypeError:
+        return list(enc(text))
+
+
+def _pack(docs: Iterator[list[int]], budget: int, seq_len: int, sep: int | None) -> tuple[list, int]:
+    """Concatenate documents (separated by ``sep``) into sequences of ``seq_len`` until ``budget`` tokens."""
+    seqs, cur, total = [], [], 0
+    for ids in docs:
+        if sep is not None and cur:
+            ids = [sep] + ids
+        for tok in ids:
+            if total >= budget:
+                break
+            cur.append(tok)
+            total += 1
+            if len(cur) == seq_len:
+                seqs.append(cur)
+                cur = []
+        if total >= budget:
+            break
+    if cur:
+        seqs.append(cur)
+    return seqs, total
+
+
+def build_corpus(
+    tokenizer,
+    *,
+    paths=None,
+    tokens: int = 65536,
+    uuid_fraction: float = 0.25,
+    seq_len: int = 2048,
+    seed: int = 0,
+) -> Corpus:
+    """Tokenised calibration corpus: ``tokens`` text tokens, then ``uuid_fraction * tokens`` UUID tokens.
+
+    Fewer text tokens may come back when the text runs out (the caller checks the count).
+    """
+    if tokens < 1:
+        raise ValueError(f"tokens: expected a positive token budget, got {tokens}")
+    if not (0 <= uuid_fraction <= 10):
+        raise ValueError(f"uuid_fraction: expected a number in [0, 10] (UUID tokens per text token), got {uuid_fraction}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len: expected a positive sequence length, got {seq_len}")
+    files = user_files(paths) if paths else stdlib_files()
+    source = "user" if paths else "python-stdlib"
+    sep = getattr(tokenizer, "eos_token_id", None)
+
+    def docs():
+        for p in files:
+            text = read_text(p)
+            if text.strip():
+                yield _encode(tokenizer, text)
+
+    seqs, n_text = _pack(docs(), tokens, seq_len, sep)
+    n_uuid_target = int(round(uuid_fraction * n_text))
+    n_uuid = 0
+    if n_uuid_target > 0:
+        # ~ 25 tokens per UUID line for byte-level BPEs; draw generously, then cut to the budget.
+        lines = max(16, n_uuid_target // 8)
+        ids = _encode(tokenizer, uuid_text(lines, seed))
+        while len(ids) < n_uuid_target:
+            lines *= 2
+            ids = _encode(tokenizer, uuid_text(lines, seed))
+        useq, n_uuid = _pack(iter([ids]), n_uuid_target, seq_len, None)
+        seqs.extend(useq)
+    desc = {
+        "source": source,
+        "files": len(files) if not paths else [str(p) for p in files][:50],
+        "python": sys.version.split()[0] if not paths else None,
+        "text_tokens": n_text,
+        "uuid_tokens": n_uuid,
+        "uuid_fraction": uuid_fraction,
+        "uuid_seed": seed,
+        "seq_len": seq_len,
+    }
+    return Corpus(sequences=seqs, text_tokens=n_text, uuid_tokens=n_uuid, description=desc)
