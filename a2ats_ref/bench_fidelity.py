@@ -30,12 +30,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-EVAL_PACKAGES = ("asyncio",)
+from .corpus import EVAL_PACKAGES  # held out of a2ats-calibrate's default corpus
+
 CALIB_PACKAGES = ("email", "json", "logging", "collections", "concurrent")
 
 PROFILES = {
     "full": dict(calib_tokens=16384, K=1024, iters=8, layers=None, eval_ctx=2048, probes=16,
-                 ppl_prefill=2048, ppl_tokens=64, passkey_ctx=2048, depths=(0.1, 0.5, 0.9)),
+                 ppl_prefill=2048, ppl_tokens=64, passkey_ctx=2304, depths=(0.1, 0.5, 0.9)),  # >= 2K tokens of context
     "quick": dict(calib_tokens=4096, K=256, iters=4, layers=None, eval_ctx=1024, probes=4,
                   ppl_prefill=1024, ppl_tokens=16, passkey_ctx=1024, depths=(0.5,)),
     "tiny": dict(calib_tokens=512, K=32, iters=2, layers=(0, 29), eval_ctx=256, probes=2,

@@ -36,7 +36,7 @@ from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 from . import checks
 from .codes import mx_code_dtype
 from .eq12_far_keys import far_keys_unchecked
-from .eq16_z_transform import assign_z_unchecked
+from .eq16_z_transform import assign_z_unchecked, z_space_operands
 from .eq18_back_transform import back_transform
 from .fast_decode import decode_step_fast, prepare_codebook
 from .retrieval import attention_scale, gqa_group
@@ -136,6 +136,11 @@ class LayerCodebook:
         shares it instead of transposing C on each decode step. Not counted in nbytes (derived data).
         """
         return prepare_codebook(self.C)
+
+    @cached_property
+    def z_operands(self) -> tuple:
+        """z_space_operands(Cz), built once per codebook: the per-token code assignment reads them."""
+        return z_space_operands(self.Cz)
 
     @classmethod
     def from_z(cls, Cz, L) -> "LayerCodebook":
@@ -239,7 +244,7 @@ def assign_codes(k_post: mx.array, positions: mx.array, codebook: LayerCodebook,
     """
     f32 = mx.float32
     k_pre = far_keys_unchecked(k_post.astype(f32), positions.astype(f32), inv_freqs, traditional=traditional)
-    return assign_z_unchecked(k_pre, codebook.Cz, codebook.L)  # (B, n_kv, t, d) against per-head (n_kv, K, d)
+    return assign_z_unchecked(k_pre, codebook.Cz, codebook.L, codebook.z_operands)  # per-head (n_kv, K, d)
 
 
 # --------------------------------------------------------------------------- the cache

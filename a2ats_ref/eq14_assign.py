@@ -33,9 +33,14 @@ def check_codebook_args(k, C, M, k_name: str, C_name: str, M_name: str):
     return k, C, M, d
 
 
-def nearest_rows(x: mx.array, Y: mx.array, bias: mx.array) -> mx.array:
-    """argmin_j (-2 x . Y_j + bias_j) over row chunks; x (..., N, d), Y (..., K, d), bias (..., 1, K)."""
-    Yt = mx.swapaxes(Y, -1, -2)
+def nearest_rows(x: mx.array, Y: mx.array, bias: mx.array, *, Yt: mx.array | None = None) -> mx.array:
+    """argmin_j (-2 x . Y_j + bias_j) over row chunks; x (..., N, d), Y (..., K, d), bias (..., 1, K).
+
+    Yt, a contiguous (..., d, K) copy of Y, may be passed in: a transposed view is copied on every
+    call, which dominates the one-token case the cache runs per appended token.
+    """
+    if Yt is None:
+        Yt = mx.swapaxes(Y, -1, -2)
     out = []
     for s in range(0, x.shape[-2], ROW_CHUNK):
         out.append(mx.argmin(bias - 2.0 * (x[..., s : s + ROW_CHUNK, :] @ Yt), axis=-1))

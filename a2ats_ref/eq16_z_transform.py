@@ -26,10 +26,24 @@ def z_transform(k, L) -> mx.array:
     return k @ L
 
 
-def assign_z_unchecked(k: mx.array, Cz: mx.array, L: mx.array) -> mx.array:
-    """EQ-16 kernel of assign_z, no validation: float32 k (..., N, d), Cz (..., K, d), L (..., d, d) -> codes (..., N)."""
+def z_space_operands(Cz: mx.array) -> tuple[mx.array, mx.array]:
+    """(CzT, bias) for assign_z_unchecked: Cz transposed to contiguous (..., d, K) and ||Cz_j||^2 (..., 1, K).
+
+    Both depend on the codebook only, so a caller that assigns many times (the cache) builds them once.
+    """
+    CzT = mx.contiguous(mx.swapaxes(Cz, -1, -2))
     bias = mx.sum(Cz * Cz, axis=-1)[..., None, :]
-    return nearest_rows(k @ L, Cz, bias).astype(mx_code_dtype(Cz.shape[-2]))
+    mx.eval(CzT, bias)
+    return CzT, bias
+
+
+def assign_z_unchecked(k: mx.array, Cz: mx.array, L: mx.array, operands=None) -> mx.array:
+    """EQ-16 kernel of assign_z, no validation: float32 k (..., N, d), Cz (..., K, d), L (..., d, d) -> codes (..., N).
+
+    operands: z_space_operands(Cz), when the caller keeps them; computed here otherwise.
+    """
+    CzT, bias = operands if operands is not None else (None, mx.sum(Cz * Cz, axis=-1)[..., None, :])
+    return nearest_rows(k @ L, Cz, bias, Yt=CzT).astype(mx_code_dtype(Cz.shape[-2]))
 
 
 def assign_z(k, Cz, L) -> mx.array:

@@ -31,6 +31,9 @@ def test_fidelity_text_is_disjoint_from_calibration_text():
     from a2ats_ref import bench_fidelity as bf
 
     assert not set(bf.EVAL_PACKAGES) & set(bf.CALIB_PACKAGES)
+    from a2ats_ref.corpus import stdlib_files
+
+    assert not any(set(bf.EVAL_PACKAGES) & set(p.parts) for p in stdlib_files()), "a2ats-calibrate's default corpus must not contain the evaluation text"
     ev, ca = bf.eval_text(20000), bf.calib_text(20000)
     assert len(ev) == len(ca) == 20000
     assert ev[:2000] not in ca
