@@ -228,6 +228,9 @@ def load_gguf(path, *, dequantize: bool = False) -> tuple[nn.Module, object, GGU
     model.load_weights(list(renamed.items()), strict=True)
     mx.eval(model.parameters())
     model.eval()
+    # The identity of the weights is the file's, however they are held: a codebook calibrated on the
+    # dequantized model must validate against the quantized one and vice versa.
+    model.a2ats_weights_fingerprint = fingerprint
     keep = {k: _meta_value(v) for k, v in md.items() if not k.startswith("tokenizer.ggml.")}
     info = GGUFInfo(path=path, architecture=md["general.architecture"], config=config, metadata=keep, fingerprint=fingerprint)
     return model, build_tokenizer(md), info
@@ -269,10 +272,11 @@ def fingerprint_arrays(arrays: dict) -> str:
 
 
 def weights_fingerprint(model: nn.Module) -> str:
-    """Fingerprint of a model's parameters as held in memory (quantized layers: packed weights,
-    scales, biases). A GGUF loaded with ``dequantize=True`` records the fingerprint of its quantized
-    form in ``GGUFInfo.fingerprint`` instead, so codebooks calibrated on it match the quantized model.
+    """Fingerprint of a model's weights: the one load_gguf attached (that of the GGUF's quantized
+    tensors, whether the model holds them quantized or dequantized), else a hash of the parameters
+    as held in memory (quantized layers: packed weights, scales, biases).
     """
     from mlx.utils import tree_flatten
 
-    return fingerprint_arrays(dict(tree_flatten(model.parameters())))
+    attached = getattr(model, "a2ats_weights_fingerprint", None)
+    return attached or fingerprint_arrays(dict(tree_flatten(model.parameters())))

@@ -67,6 +67,15 @@ def test_dense_matches_quantized(quantized, dense):
     assert dense[2].fingerprint == quantized[2].fingerprint == gguf.weights_fingerprint(quantized[0])
 
 
+def test_fingerprint_is_the_files_however_the_weights_are_held(quantized, dense):
+    # A codebook calibrated on the dequantized model (as a2ats-calibrate does) must validate against
+    # the quantized one, and a model whose weights differ must not.
+    assert gguf.weights_fingerprint(quantized[0]) == gguf.weights_fingerprint(dense[0]) == quantized[2].fingerprint
+    from mlx.utils import tree_flatten
+
+    assert gguf.fingerprint_arrays(dict(tree_flatten(dense[0].parameters()))) != quantized[2].fingerprint
+
+
 def test_generate(quantized):
     from mlx_lm import generate
 
