@@ -131,7 +131,11 @@ def speed_markdown(res: dict) -> str:
                          f"{r.get('codebook_bytes') or 'n/a'} |")
     e2e = res.get("e2e_smollm2")
     if e2e:
-        lines += ["", "## End-to-end decode, SmolLM2-135M", "", "```", json.dumps(e2e, indent=1), "```"]
+        a = e2e["a2ats_cache_decode"]
+        lines += ["", f"## End-to-end decode, SmolLM2-135M, {e2e['context']}-token context, {e2e['decode_tokens']} tokens",
+                  "", f"Codebook: {e2e['codebook']}.", "", "| | tokens/s | median step ms |", "|---|---:|---:|",
+                  f"| dense KVCache | {e2e['dense']['tokens_per_s']:.2f} | {e2e['dense']['median_step_ms']:.1f} |",
+                  f"| A2ATSCache | {a['tokens_per_s']:.2f} ({a['speedup_vs_dense']:.2f}x) | {a['median_step_ms']:.1f} |"]
     if "conformance_ci_wall_s" in res:
         lines += ["", f"Conformance suite (`a2ats-conformance --profile ci`) wall time: {res['conformance_ci_wall_s']}"]
     return "\n".join(lines) + "\n"
