@@ -208,7 +208,10 @@ def check_spd(H: mx.array, name: str = "H") -> None:
         )
 
 
-def check_lower_triangular(L: mx.array, name: str = "L") -> None:
+def check_lower_triangular(L: mx.array, name: str = "L", *, d: int | None = None) -> None:
+    """L must be (..., d, d) lower triangular with a positive diagonal (a Cholesky factor); d: the head dim it must match."""
+    if d is not None and (L.ndim < 2 or L.shape[-2:] != (d, d)):
+        raise ValueError(f"{name}: expected shape (..., {d}, {d}) matching head_dim {d}, got shape {tuple(L.shape)}")
     check_square(L, name)
     upper = mx.triu(L.reshape(-1, L.shape[-1], L.shape[-1]), k=1)
     if mx.any(upper != 0).item():

@@ -20,9 +20,7 @@ def z_transform(k, L) -> mx.array:
     L = checks.as_float(L, "L")
     checks.check_ndim(k, "k", 1, "(..., d)")
     d = checks.check_head_dim(k.shape[-1], "k.shape[-1] (head_dim)")
-    if L.ndim < 2 or L.shape[-2:] != (d, d):
-        raise ValueError(f"L: expected shape (..., {d}, {d}), got shape {tuple(L.shape)}")
-    checks.check_lower_triangular(L, "L")
+    checks.check_lower_triangular(L, "L", d=d)
     return k @ L
 
 

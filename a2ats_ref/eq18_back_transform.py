@@ -17,9 +17,7 @@ def back_transform(Cz, L) -> mx.array:
     L = checks.as_float(L, "L")
     checks.check_ndim(Cz, "Cz", 2, "(..., K, d)")
     d = checks.check_head_dim(Cz.shape[-1], "Cz.shape[-1] (head_dim)")
-    if L.ndim < 2 or L.shape[-2:] != (d, d):
-        raise ValueError(f"L: expected shape (..., {d}, {d}) matching Cz's head_dim, got shape {tuple(L.shape)}")
-    checks.check_lower_triangular(L, "L")
+    checks.check_lower_triangular(L, "L", d=d)
     lead = checks.check_broadcast(Cz.shape[:-2], L.shape[:-2], "Cz[..., :-2]", "L[..., :-2]")
     Lt = mx.broadcast_to(mx.swapaxes(L, -1, -2), lead + (d, d))
     rhs = mx.broadcast_to(mx.swapaxes(Cz, -1, -2), lead + (d, Cz.shape[-2]))
