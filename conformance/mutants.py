@@ -152,6 +152,22 @@ class CompressionOnly(Mutant):
         return (out, mask) if return_mask else out
 
 
+class FarQueryInAttention(Mutant):
+    expected_clause = "RET-DECODE"
+    bug = ("far-position query in exact attention: q R_b against keys at their true positions (relative position "
+           "b - j), as the authors' kernel path vqkey/models/llama.py does")
+
+    def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
+                    scale=None, return_mask=False):
+        out, mask = self._ref.decode_step(q_post, k_post, v, codes, C, query_pos=query_pos, b=b, w=w, sinks=sinks,
+                                          topk=topk, inv_freqs=inv_freqs, traditional=traditional, scale=scale,
+                                          return_mask=True)
+        q_far = _o.far_query(_np(q_post), b=b, inv_freqs=_np(inv_freqs), traditional=traditional,
+                             positions=query_pos)
+        out = _o.retrieval_attention(q_far, _np(k_post), _np(v), np.asarray(mask), scale=scale).astype(np.float32)
+        return (out, mask) if return_mask else out
+
+
 class _ForgetfulCache(ReferenceCache):
     """trim() rolls back keys, values and offset, but not the position counter used to de-rotate
     (and so to code) the tokens written afterwards."""
@@ -191,4 +207,5 @@ class TrimForgetsPositions(Mutant):
 MUTANTS = {cls.__name__: cls for cls in (
     DerotateScalarOffset, WindowOffByOne, BTiedToW, FarKeysRotated, LTransposed, HNotPooled, CosineBlend,
     TopkCeil, UnionMissing, CompressionOnly, TrimForgetsPositions,
+    FarQueryInAttention,
 )}
