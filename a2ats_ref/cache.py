@@ -17,7 +17,8 @@ The cache deliberately has no `bits` attribute: mlx-lm routes any cache that has
 one to its quantized attention.
 
 Batches: every sequence of a batch selects its own tokens, but all sequences must
-share the same positions (equal-length batches, no left padding).
+share the same positions (equal-length batches, no left padding). An empty cache (nothing
+appended, or trimmed to 0) takes any batch size: its buffers start afresh.
 """
 
 from __future__ import annotations
@@ -126,14 +127,18 @@ class LayerCodebook:
 
     @property
     def nbytes(self) -> int:
-        return self.Cz.nbytes + self.L.nbytes + self.C.nbytes
+        """Bytes this layer's codebook holds: Cz, L, C and the derived operands built so far (CT after the
+        first decode, z_operands after the first append; each about as large as C or Cz)."""
+        derived = [self.__dict__[k] for k in ("CT", "z_operands") if k in self.__dict__]
+        flat = [a for x in derived for a in (x if isinstance(x, tuple) else (x,))]
+        return self.Cz.nbytes + self.L.nbytes + self.C.nbytes + sum(a.nbytes for a in flat)
 
     @cached_property
     def CT(self) -> mx.array:
         """C transposed to (n_kv, d, K), contiguous float32: the LUT operand of the decode kernel.
 
         Built on first use and kept on the codebook, so every cache of this layer (one per prompt)
-        shares it instead of transposing C on each decode step. Not counted in nbytes (derived data).
+        shares it instead of transposing C on each decode step. Counted in nbytes once built.
         """
         return prepare_codebook(self.C)
 
@@ -282,8 +287,14 @@ class A2ATSCache(_BaseCache):
     def update_and_fetch(self, keys, values):
         self._check_kv(keys, values)
         prev, t = self.offset, keys.shape[2]
+        if self.keys is not None and prev == 0 and keys.shape[0] != self.keys.shape[0]:
+            # Empty (e.g. trimmed to 0) with another batch size: start fresh buffers rather than let
+            # the old ones broadcast the new batch into the wrong shape. Nothing cached is lost.
+            self.keys = self.values = self.codes = None
         if self.keys is None or prev + t > self.keys.shape[2]:
             self._grow(keys, values, prev, t)
+        if t == 0:  # mlx-lm's KVCache accepts an empty append; so do we (nothing to assign)
+            return self.keys_and_values()
         new_codes = assign_codes(
             keys, mx.arange(prev, prev + t), self.codebook, self.inv_freqs, traditional=self.traditional
         )
@@ -349,7 +360,10 @@ class A2ATSCache(_BaseCache):
         return True
 
     def trim(self, n):
-        n = min(self.offset, n)
+        """Drop the last n tokens (all of them when n > offset, as mlx-lm's KVCache); returns how many were dropped."""
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ValueError(f"trim: n must be a non-negative int (tokens to drop from the end), got {n!r}")
+        n = min(self.offset, int(n))
         self.offset -= n
         self._last_selection = None
         return n
@@ -510,12 +524,16 @@ def make_a2ats_cache(
     config: Optional[A2ATSConfig] = None,
     *,
     allow_random_codebook: bool = False,
+    validate: bool = True,
 ) -> list:
     """One A2ATSCache per layer of an mlx-lm model (use as `prompt_cache=`).
 
     codebook: an A2ATSCodebook (or .Cz/.L object, or (Cz, L)) calibrated for this model; it must
     match the layer count, n_kv_heads and head_dim. Without one this raises, unless
     allow_random_codebook=True (wiring tests only: a random codebook is built and a warning issued).
+    validate: a codebook that carries calibration metadata (a2ats_ref.codebook.Codebook) is checked
+    against the model and config.b with its validate_against (model identity, weights fingerprint,
+    b) and refused with a CodebookError naming every mismatch; validate=False skips that check.
     Call a2ats_ref.hook.enable_a2ats(model) once so the model's attention uses the caches.
     """
     config = A2ATSConfig() if config is None else config
@@ -530,6 +548,8 @@ def make_a2ats_cache(
                 "make_a2ats_cache(model, codebook, config). For wiring tests only, pass allow_random_codebook=True."
             )
         codebook = random_codebook(len(attns), n_kv, d, 256)
+    if validate and getattr(codebook, "meta", None) and hasattr(codebook, "validate_against"):
+        codebook.validate_against(model, config=config)
     codebook = A2ATSCodebook.coerce(codebook)
     if codebook.random:
         warnings.warn(RANDOM_CODEBOOK_WARNING, UserWarning, stacklevel=2)

@@ -95,9 +95,12 @@ def as_positions(positions, name: str = "positions") -> mx.array:
     kind = p.dtype.kind if isinstance(p, np.ndarray) else ("i" if mx.issubdtype(p.dtype, mx.integer) else "f")
     if kind not in "iu":
         raise ValueError(f"{name}: expected integer positions, got dtype {p.dtype}")
+    if p.size:
+        # Extremes as Python ints in the input's own dtype: an abs() or int64 cast can wrap (uint64, INT64_MIN).
+        lo, hi = (int(p.min()), int(p.max())) if isinstance(p, np.ndarray) else (mx.min(p).item(), mx.max(p).item())
+        if hi >= MAX_POSITION or lo <= -MAX_POSITION:
+            raise ValueError(f"{name}: expected |position| < 2**24 (float32-exact), got range [{lo}, {hi}]")
     p = mx.array(p) if isinstance(p, np.ndarray) else p
-    if p.size and mx.max(mx.abs(p.astype(mx.int64))).item() >= MAX_POSITION:
-        raise ValueError(f"{name}: expected |position| < 2**24 (float32-exact), got max {mx.max(mx.abs(p)).item()}")
     return p.astype(mx.float32)
 
 

@@ -164,13 +164,18 @@ class Codebook:
 
         check_weights: also compare the weights fingerprint (hashes the weights as held, ~0.2 s for 135M at 4 bits).
         """
+        mine = self.meta.get("model", {})
+        if not isinstance(mine, dict) or not isinstance(mine.get("weights_fingerprint", ""), (str, type(None))):
+            raise CodebookError(
+                f"codebook metadata 'model' must be a JSON object of model identity fields, got {mine!r}; the file "
+                "is damaged or was not written by a2ats-calibrate: recalibrate, or pass validate=False to skip the check"
+            )
         fp = None
-        if check_weights and self.meta.get("model", {}).get("weights_fingerprint"):
+        if check_weights and mine.get("weights_fingerprint"):
             from .gguf import weights_fingerprint
 
             fp = weights_fingerprint(model)
         ident = model_identity(model, fingerprint=fp)
-        mine = self.meta.get("model", {})
         problems = []
         for key in IDENTITY_KEYS:
             if key in mine and key in ident and not _same(mine[key], ident[key]):

@@ -220,6 +220,8 @@ def moment_from_sums(qsum: np.ndarray, count: int, *, ridge: float = 1e-6) -> mx
     """
     if count < 1:
         raise ValueError("no calibration queries were collected (count = 0)")
+    if not (np.isfinite(ridge) and ridge >= 0):
+        raise ValueError(f"ridge: expected a finite non-negative number (default 1e-6), got {ridge!r}")
     H = np.asarray(qsum, dtype=np.float64) / count
     rms = np.sqrt(np.mean(H * H, axis=(-2, -1), keepdims=True))
     if np.any(rms <= 0) or not np.all(np.isfinite(H)):

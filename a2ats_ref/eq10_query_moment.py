@@ -7,6 +7,7 @@ by the RMS of H's entries and given a small ridge so EQ-15 can factorise it.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import mlx.core as mx
@@ -27,8 +28,8 @@ def query_moment(queries, *, n_kv_heads: int, b: int, inv_freqs, traditional: bo
     if N < 1:
         raise ValueError("queries: expected at least one calibration token (N >= 1), got N = 0")
     checks.check_nonneg_int(b, "b")
-    if not (isinstance(ridge, numbers.Real) and ridge >= 0):
-        raise ValueError(f"ridge: expected a non-negative number, got {ridge!r}")
+    if isinstance(ridge, bool) or not (isinstance(ridge, numbers.Real) and math.isfinite(ridge) and ridge >= 0):
+        raise ValueError(f"ridge: expected a finite non-negative number (default 1e-6), got {ridge!r}")
     G = n_q // n_kv
     qt = rope_apply(q, b, inv_freqs, traditional=traditional)
     qt = qt.reshape(q.shape[:-3] + (n_kv, G * N, d))

@@ -8,6 +8,7 @@ compared. Ties go to the lowest index.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from . import checks
 from .codes import mx_code_dtype
@@ -41,6 +42,9 @@ def nearest_rows(x: mx.array, Y: mx.array, bias: mx.array, *, Yt: mx.array | Non
     """
     if Yt is None:
         Yt = mx.swapaxes(Y, -1, -2)
+    if x.shape[-2] == 0:  # no keys: empty codes of the broadcast shape (argmin refuses empty arrays)
+        lead = tuple(np.broadcast_shapes(x.shape[:-2], Y.shape[:-2]))
+        return mx.zeros(lead + (0,), dtype=mx.uint32)
     out = []
     for s in range(0, x.shape[-2], ROW_CHUNK):
         out.append(mx.argmin(bias - 2.0 * (x[..., s : s + ROW_CHUNK, :] @ Yt), axis=-1))

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from .eq12_far_keys import far_query_unchecked
-from .retrieval import topk_count
+from .retrieval import own_token_only, topk_count
 
 __all__ = ["prepare_codebook", "decode_step_fast", "Selection", "selection_size", "tune_allocator"]
 
@@ -78,7 +78,7 @@ def _regions(n: int, w: int, sinks: int):
 def selection_size(T: int, *, n_q: int, n_kv: int, w: int, sinks: int, topk) -> int:
     """Upper bound on tokens gathered per KV head per step (forced + G·k, duplicates included)."""
     forced, c0, c1 = _regions(T, w, sinks)
-    return len(forced) + (n_q // n_kv) * topk_count(T, topk, c1 - c0)
+    return max(1, len(forced) + (n_q // n_kv) * topk_count(T, topk, c1 - c0))  # RET-SELECT: never empty
 
 
 
@@ -245,6 +245,8 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     n = i + 1
     forced, c0, c1 = _regions(n, int(w), int(sinks))
     kk = topk_count(n, topk, c1 - c0)   # RET-TOPK counts the tokens the query sees, i + 1 (= T at decode)
+    if own_token_only(kk, int(w), int(sinks)):
+        forced = [i]                     # RET-SELECT: never an empty selection
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     BH, G, K = B * n_kv, n_q // n_kv, CT.shape[-1]
     if method == "auto":

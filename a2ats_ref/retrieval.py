@@ -111,6 +111,12 @@ def _n_candidates(i: int, w: int, sinks: int) -> int:
     return hi - lo
 
 
+def own_token_only(k: int, w: int, sinks: int) -> bool:
+    """RET-SELECT never-empty rule: no sinks, no window and a top-k count of 0 would select nothing;
+    the query's own token i is selected then (and only then)."""
+    return k == 0 and w == 0 and sinks == 0
+
+
 def _topk_indices(scores: mx.array, cand: mx.array, k: int) -> mx.array:
     masked = mx.where(cand, scores, -mx.inf)
     return mx.argpartition(-masked, kth=k - 1, axis=-1)[..., :k]
@@ -124,6 +130,8 @@ def select_tokens(scores, *, n_kv_heads: int, query_pos: int, w: int, sinks: int
     G, i, w, sinks, _ = check_select_args(T, n_q, n_kv_heads, query_pos, w, sinks, topk)
     k = topk_count(i + 1, topk, _n_candidates(i, w, sinks))
     sink, window, cand = _fixed_sets(T, i, w, sinks)
+    if own_token_only(k, w, sinks):
+        window = mx.arange(T) == i
     lead = s.shape[:-2]
     keep = mx.broadcast_to(sink | window, lead + (n_kv_heads, T))
     if k == 0:

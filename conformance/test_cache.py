@@ -25,7 +25,7 @@ def cache_setup(draw, *, max_T=24, topk=None, w=None, sinks=None):
     L = np.stack([oracle.cholesky(hh.spd_matrix(rng, d, cond=10.0)) for _ in range(n_kv)])
     config = dict(n_kv_heads=n_kv, n_q_heads=n_q, head_dim=d, Cz=Cz, L=L, C=oracle.back_transform(Cz, L),
                   inv_freqs=p["inv_freqs"], traditional=p["traditional"],
-                  w=draw(st.integers(1, 6), label="w") if w is None else w, b=draw(st.sampled_from([64, 2048]), label="b"),
+                  w=draw(st.integers(0, 6), label="w") if w is None else w, b=draw(st.sampled_from([64, 2048]), label="b"),
                   sinks=draw(st.integers(0, 3), label="sinks") if sinks is None else sinks,
                   topk=draw(st.sampled_from([0.1, 0.5, 2, 4]), label="topk") if topk is None else topk, scale=None)
     return config, rng, dict(seed=seed, n_q=n_q, n_kv=n_kv, K=K, head_dim=d, w=config["w"], b=config["b"],

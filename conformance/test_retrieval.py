@@ -88,6 +88,24 @@ def test_select_tokens_is_an_allowed_selection(ctx, case):
 
 @pytest.mark.clause("RET-SELECT")
 @given(data=st.data())
+def test_select_tokens_is_never_empty(ctx, data):
+    """No sinks, no window, a top-k count of 0: exactly the query's own token is selected (never-empty rule)."""
+    n_q, n_kv = data.draw(hh.gqa_heads(), label="heads")
+    T = data.draw(st.integers(1, 40), label="T")
+    i = data.draw(st.integers(0, T - 1), label="query_pos")
+    topk = data.draw(st.floats(1e-3, 0.999 / (i + 1)), label="topk")   # int(topk * (i + 1)) == 0
+    s = hh.normal(hh.rng_from(data.draw(hh.seeds(), label="seed")), (n_q, T))
+    ctx.note(n_q=n_q, n_kv=n_kv, T=T, query_pos=i, topk=topk)
+    mask = np.asarray(ctx.call("select_tokens", s, n_kv_heads=n_kv, query_pos=i, w=0, sinks=0, topk=topk))
+    want = np.zeros((n_kv, T), dtype=bool)
+    want[:, i] = True
+    if mask.shape != want.shape or not np.array_equal(mask, want):
+        ctx.fail("RET-SELECT", "never-empty rule: with w = 0, sinks = 0 and a top-k count of 0 only j = query_pos "
+                 "is selected", f"selected {[np.flatnonzero(r).tolist() for r in mask.reshape(-1, mask.shape[-1])]}")
+
+
+@pytest.mark.clause("RET-SELECT")
+@given(data=st.data())
 def test_select_tokens_window_boundary(ctx, data):
     """With topk selecting nothing extra: i - j = w - 1 is kept, i - j = w is not (unless a sink)."""
     w = data.draw(st.integers(1, 10), label="w")
@@ -150,7 +168,7 @@ def decode_case(draw, *, max_T=60):
     n_q, n_kv = draw(hh.gqa_heads(), label="heads")
     T = draw(st.integers(1, max_T), label="T")
     K = draw(st.sampled_from([1, 4, 16, 300]), label="K")
-    w = draw(st.integers(1, 8), label="w")      # w >= 1: the query's own token is selected (RET-ATTN needs one)
+    w = draw(st.integers(0, 8), label="w")      # w = 0 with sinks = 0: RET-SELECT's never-empty rule
     sinks = draw(st.integers(0, 4), label="sinks")
     b = draw(st.sampled_from([64, 2048]), label="b")
     topk = draw(st.sampled_from([0.03, 0.1, 0.3, 1.0, 2, 5]), label="topk")

@@ -639,6 +639,14 @@ def _selection_regions(T: int, query_pos: Any, w: Any, sinks: Any) -> tuple[int,
     return i, forced, candidates
 
 
+def _never_empty(forced: np.ndarray, count: int, i: int) -> np.ndarray:
+    """RET-SELECT: when neither sinks, window nor top-k select anything, the query's own token i is selected."""
+    if count == 0 and not forced.any():
+        forced = forced.copy()
+        forced[i] = True
+    return forced
+
+
 def _check_scores(scores: Any, n_kv_heads: int) -> tuple[np.ndarray, int, int]:
     s = _array(scores, "scores", min_ndim=2)
     n_kv = _int(n_kv_heads, "n_kv_heads", lo=1)
@@ -654,12 +662,14 @@ def select_tokens(scores: Any, *, n_kv_heads: int, query_pos: int, w: int, sinks
 
     Sinks j < sinks and the window 0 <= i - j < w are always kept; the other j <= i are candidates. Each query
     head keeps its topk_count(i + 1, topk, #candidates) highest candidate scores (ties -> lowest index); the
-    union over each GQA group is taken; then sinks and window are added back.
+    union over each GQA group is taken; then sinks and window are added back. A selection that would be
+    empty (w = 0, sinks = 0, count 0) holds the query's own token i instead.
     """
     s, n_kv, G = _check_scores(scores, n_kv_heads)
     T = s.shape[-1]
     i, forced, cand = _selection_regions(T, query_pos, w, sinks)
     count = topk_count(i + 1, topk, int(cand.sum()))  # tokens the query can see, the authors' seq_len
+    forced = _never_empty(forced, count, i)
     cand_idx = np.flatnonzero(cand)
     flat = s.reshape((-1,) + s.shape[-2:])
     mask = np.zeros((flat.shape[0], n_kv, T), dtype=bool)
@@ -706,6 +716,7 @@ def select_tokens_allowed(scores: Any, *, n_kv_heads: int, query_pos: int, w: in
     T = s.shape[-1]
     i, forced, cand = _selection_regions(T, query_pos, w, sinks)
     count = topk_count(i + 1, topk, int(cand.sum()))  # tokens the query can see, the authors' seq_len
+    forced = _never_empty(forced, count, i)
     cand_idx = np.flatnonzero(cand)
     must_h, may_h = topk_allowed(s[..., cand_idx], count, margin)
     lead = s.shape[:-2]

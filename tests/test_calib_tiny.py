@@ -112,7 +112,7 @@ def test_codebook_feeds_the_cache(tiny_codebook):
 
     enable_a2ats(m)
     try:
-        caches = make_a2ats_cache(m, cb, A2ATSConfig(w=4, sinks=2, topk=2))
+        caches = make_a2ats_cache(m, cb, A2ATSConfig(w=4, sinks=2, topk=2, b=64))  # b: what cb was fitted for
         prompt = mx.array(ByteTokenizer().encode("def add(a, b):\n"))
         out = m(prompt[None], cache=caches)
         for _ in range(3):

@@ -384,6 +384,9 @@ def brute_select(scores, G, i, w, sinks, count):
     for j in range(T):
         if j <= i and (j < sinks or 0 <= i - j < w):
             mask[:, j] = True
+    if not mask.any(axis=-1).all():   # RET-SELECT never-empty rule: the query's own token
+        assert count == 0 and w == 0 and sinks == 0
+        mask[:, i] = True
     return mask
 
 

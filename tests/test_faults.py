@@ -1,0 +1,198 @@
+"""Fault injection (issue 10): bad inputs, interrupted writes, stale or concurrent runs.
+
+Each test pins one failure mode that used to give a silent wrong result, a lost file or a raw traceback.
+Sizes are tiny; kills run in subprocesses.
+"""
+
+from __future__ import annotations
+
+import a2ats_ref  # noqa: F401  (first: its __init__ loads the fast BLAS before mlx)
+
+import math
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from a2ats_ref import checks
+from a2ats_ref.cache import A2ATSCache, A2ATSConfig, make_a2ats_cache
+from a2ats_ref.codebook import Codebook, CodebookError, model_identity
+from a2ats_ref.eq10_query_moment import query_moment
+from a2ats_ref.eq14_assign import assign
+from a2ats_ref.eq16_z_transform import assign_z
+from a2ats_ref.gguf import weights_fingerprint
+from a2ats_ref.retrieval import decode_step, select_tokens
+from a2ats_spec import oracle
+from test_cache_support import HEAD_DIM, N_KV, N_LAYERS, quiet_codebook, tiny_llama
+
+
+def _cache(codebook=None, **cfg) -> A2ATSCache:
+    cb = quiet_codebook() if codebook is None else codebook
+    inv = mx.array(oracle.rope_inv_freqs(HEAD_DIM, 10000.0).astype(np.float32))
+    return A2ATSCache(cb.layers[0], inv, False, A2ATSConfig(**cfg))
+
+
+def _kv(rng, B, T, n_kv=N_KV, d=HEAD_DIM):
+    return (mx.array(rng.normal(size=(B, n_kv, T, d)).astype(np.float32)),
+            mx.array(rng.normal(size=(B, n_kv, T, d)).astype(np.float32)))
+
+
+# ------------------------------------------------------------------ 1. zero attention (RET-SELECT never-empty)
+
+
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_zero_attention_attends_the_own_token_everywhere(T):
+    """w=0, sinks=0, default topk, T <= 33: cache, fast path, clause function and oracle all attend token T-1."""
+    rng = np.random.default_rng(T)
+    cache = _cache(w=0, sinks=0)
+    k, v = _kv(rng, 1, T)
+    cache.update_and_fetch(k, v)
+    q = mx.array(rng.normal(size=(1, 2 * N_KV, 1, HEAD_DIM)).astype(np.float32))
+    out = np.array(cache.decode(q))
+    sel = np.array(cache.last_selection)
+    want_sel = np.zeros((1, N_KV, T), bool)
+    want_sel[..., T - 1] = True
+    np.testing.assert_array_equal(sel, want_sel)
+    # attending one token returns its value exactly
+    want = np.repeat(np.array(v)[0, :, T - 1], 2, axis=0)[None, :, None, :]
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    lc = cache.codebook
+    kw = dict(query_pos=T - 1, b=2048, w=0, sinks=0, topk=0.03, inv_freqs=np.array(cache.inv_freqs), traditional=False)
+    codes = np.array(cache.codes_view())[0]
+    ref, ref_mask = decode_step(q[0, :, 0], k[0], v[0], codes, lc.C, return_mask=True, **kw)
+    orc, orc_mask = oracle.decode_step(np.array(q[0, :, 0], np.float64), np.array(k[0], np.float64),
+                                       np.array(v[0], np.float64), codes, np.array(lc.C, np.float64),
+                                       return_mask=True, **kw)
+    np.testing.assert_array_equal(np.array(ref_mask), want_sel[0])
+    np.testing.assert_array_equal(orc_mask, want_sel[0])
+    np.testing.assert_allclose(np.array(ref), out[0, :, 0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(orc, out[0, :, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_never_empty_rule_only_where_the_selection_was_empty():
+    """With a window or sinks, or a count >= 1, the rule adds nothing (the authors' selection is unchanged)."""
+    s = np.random.default_rng(0).normal(size=(1, 20))
+    for w, sinks, topk in [(1, 0, 0.03), (0, 1, 0.03), (0, 0, 0.1), (0, 0, 1)]:
+        m = np.array(select_tokens(s, n_kv_heads=1, query_pos=19, w=w, sinks=sinks, topk=topk))
+        o = oracle.select_tokens(s, n_kv_heads=1, query_pos=19, w=w, sinks=sinks, topk=topk)
+        np.testing.assert_array_equal(m, o)
+        if (w, sinks) == (0, 0):
+            assert m.sum() == oracle.topk_count(20, topk)
+
+
+# ------------------------------------------------------------------ 4. trim
+
+
+@pytest.mark.parametrize("n", [-5, 2.5, True, "1", None])
+def test_trim_rejects_non_integers_and_negatives(n):
+    cache = _cache()
+    cache.update_and_fetch(*_kv(np.random.default_rng(0), 1, 6))
+    with pytest.raises(ValueError, match="trim: n must be a non-negative int"):
+        cache.trim(n)
+    assert cache.offset == 6 and isinstance(cache.offset, int)
+
+
+def test_trim_keeps_mlx_lm_contract_beyond_offset():
+    cache = _cache()
+    cache.update_and_fetch(*_kv(np.random.default_rng(0), 1, 6))
+    assert cache.trim(np.int64(2)) == 2 and cache.offset == 4
+    assert cache.trim(100) == 4 and cache.offset == 0
+
+
+# ------------------------------------------------------------------ 5. empty input
+
+
+def test_appending_zero_tokens_works_like_kvcache():
+    from mlx_lm.models.cache import KVCache
+
+    rng = np.random.default_rng(0)
+    cache, ref = _cache(), KVCache()
+    k0, v0 = _kv(rng, 1, 0)
+    ka, va = cache.update_and_fetch(k0, v0)
+    kr, vr = ref.update_and_fetch(k0, v0)
+    assert ka.shape == kr.shape == (1, N_KV, 0, HEAD_DIM) and cache.offset == ref.offset == 0
+    cache.update_and_fetch(*_kv(rng, 1, 3))
+    ka, _ = cache.update_and_fetch(k0, v0)
+    assert ka.shape[2] == 3 and cache.offset == 3 and cache.codes_view().shape == (1, N_KV, 3)
+
+
+def test_assign_with_no_keys_gives_empty_codes():
+    C, H = mx.random.normal((5, HEAD_DIM)), mx.eye(HEAD_DIM)
+    assert assign(mx.zeros((0, HEAD_DIM)), C, H).shape == (0,)
+    assert assign_z(mx.zeros((0, HEAD_DIM)), C, H).shape == (0,)
+    Cz = mx.random.normal((N_KV, 5, HEAD_DIM))
+    L = mx.broadcast_to(mx.eye(HEAD_DIM), (N_KV, HEAD_DIM, HEAD_DIM))
+    assert assign_z(mx.zeros((N_KV, 0, HEAD_DIM)), Cz, L).shape == (N_KV, 0)
+
+
+def test_batch_size_change_after_trim_to_zero_starts_fresh():
+    """Documented reset: an emptied cache takes the new batch size; it never broadcasts into old buffers."""
+    rng = np.random.default_rng(0)
+    cache = _cache(w=4, sinks=1, topk=2)
+    cache.update_and_fetch(*_kv(rng, 1, 5))
+    cache.trim(5)
+    k, v = _kv(rng, 2, 4)
+    ka, va = cache.update_and_fetch(k, v)
+    assert ka.shape[0] == 2 and cache.codes_view().shape == (2, N_KV, 4)
+    fresh = _cache(w=4, sinks=1, topk=2)
+    fresh.update_and_fetch(k, v)
+    np.testing.assert_array_equal(np.array(ka), np.array(k))
+    np.testing.assert_array_equal(np.array(cache.codes_view()), np.array(fresh.codes_view()))
+    with pytest.raises(ValueError, match="batch size 1 differs"):
+        cache.update_and_fetch(*_kv(rng, 1, 1))
+
+
+# ------------------------------------------------------------------ 6. make_a2ats_cache validates
+
+
+def _codebook_for(model, *, b=2048, K=8) -> Codebook:
+    cb = quiet_codebook(K=K)
+    meta = {"model": model_identity(model, fingerprint=weights_fingerprint(model)), "b": b}
+    return Codebook([l.Cz for l in cb.layers], [l.L for l in cb.layers], meta)
+
+
+def test_make_cache_validates_a_codebook_with_metadata():
+    a, other = tiny_llama(seed=0), tiny_llama(seed=1)   # same shapes, different weights
+    cb = _codebook_for(a, b=64)
+    assert len(make_a2ats_cache(a, cb, A2ATSConfig(b=64))) == N_LAYERS
+    with pytest.raises(CodebookError, match="weights_fingerprint"):
+        make_a2ats_cache(other, cb, A2ATSConfig(b=64))
+    with pytest.raises(CodebookError, match="b: codebook calibrated for b=64"):
+        make_a2ats_cache(a, cb, A2ATSConfig(b=2048))
+    assert len(make_a2ats_cache(other, cb, A2ATSConfig(b=2048), validate=False)) == N_LAYERS
+
+
+@pytest.mark.parametrize("bad", ["llama", 3, ["n_layers"]])
+def test_malformed_model_metadata_is_a_clear_error(bad):
+    cb = _codebook_for(tiny_llama())
+    cb.meta["model"] = bad
+    with pytest.raises(CodebookError, match="metadata 'model'"):
+        cb.validate_against(tiny_llama())
+
+
+# ------------------------------------------------------------------ 10. smaller gaps
+
+
+@pytest.mark.parametrize("p", [np.array([2**63], np.uint64), np.array([-(2**63)], np.int64),
+                               mx.array([2**40], mx.int64), np.array([2**32 + 5], np.uint64), 2**24])
+def test_huge_positions_are_refused(p):
+    with pytest.raises(ValueError, match="2\\*\\*24"):
+        checks.as_positions(p)
+
+
+@pytest.mark.parametrize("ridge", [math.inf, math.nan, -1.0])
+def test_ridge_must_be_finite(ridge):
+    q = mx.array(np.random.default_rng(0).normal(size=(2, 5, HEAD_DIM)).astype(np.float32))
+    inv = oracle.rope_inv_freqs(HEAD_DIM, 10000.0)
+    with pytest.raises(ValueError, match="ridge"):
+        query_moment(q, n_kv_heads=1, b=64, inv_freqs=inv, traditional=False, ridge=ridge)
+
+
+def test_codebook_nbytes_counts_what_it_holds():
+    cb = quiet_codebook(K=300)
+    lc = cb.layers[0]
+    _ = lc.CT, lc.z_operands          # built on first decode / append, then held for the codebook's life
+    held = lc.Cz.nbytes + lc.L.nbytes + lc.C.nbytes + lc.CT.nbytes + sum(a.nbytes for a in lc.z_operands)
+    assert lc.nbytes == held
+    assert cb.nbytes == sum(l.nbytes for l in cb.layers)
