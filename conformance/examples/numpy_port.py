@@ -524,6 +524,8 @@ def select_tokens(scores, *, n_kv_heads, query_pos, w, sinks, topk):
     np.put_along_axis(per_head, order, True, axis=-1)
     per_head &= cand  # count <= #candidates, so this only guards against -inf picks
     union = per_head.reshape(s.shape[:-2] + (n_q // G, G, T)).any(axis=-2)
+    if count == 0 and not forced.any():  # never empty: the query's own token
+        forced = np.arange(T) == i
     return union | forced
 
 
