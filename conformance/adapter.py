@@ -40,6 +40,9 @@ import importlib
 import os
 from types import ModuleType
 
+from .capabilities import AdapterError
+from .capabilities import read as read_capabilities
+
 __all__ = [
     "CLAUSE_FUNCTIONS",
     "FUNCTION_NAMES",
@@ -52,6 +55,7 @@ __all__ = [
     "describe",
     "has_function",
     "get_function",
+    "get_member",
 ]
 
 DEFAULT_IUT = "a2ats_conformance.adapters.reference:ReferenceAdapter"
@@ -91,15 +95,12 @@ FUNCTION_NAMES: tuple[str, ...] = tuple(
 )
 
 
-class AdapterError(ValueError):
-    """The adapter could not be loaded or does not follow the protocol."""
-
-
 class NotImplementedByIUT(Exception):
-    """Raised when a property needs a callable the adapter does not provide."""
+    """Raised when a property needs a callable the adapter (or a member its cache) does not provide."""
 
-    def __init__(self, name: str):
-        super().__init__(f"not-implemented: the adapter has no callable {name!r}")
+    def __init__(self, name: str, owner: str = "adapter"):
+        what = "callable" if owner == "adapter" else "member"
+        super().__init__(f"not-implemented: the {owner} has no {what} {name!r}")
         self.name = name
 
 
@@ -161,6 +162,7 @@ def check_metadata(adapter, spec: str = "<adapter>") -> None:
     bad = [d for d in dtypes if d not in TOLERANCES]
     if bad:
         raise AdapterError(f"IUT {spec!r}: unknown dtypes {bad}; supported: {sorted(TOLERANCES)}")
+    read_capabilities(adapter, spec)   # a malformed capabilities declaration is a load error, not a run of false verdicts
     if not any(callable(getattr(adapter, f, None)) for f in FUNCTION_NAMES + CACHE_FUNCTIONS):
         raise AdapterError(
             f"IUT {spec!r}: adapter implements none of the clause callables {list(FUNCTION_NAMES)}"
@@ -178,6 +180,21 @@ def get_function(adapter, name: str):
     return fn
 
 
+def get_member(cache, name: str):
+    """``getattr(cache, name)``, but a member the cache does not define raises NotImplementedByIUT (the
+    clause reads not-implemented), while an AttributeError raised inside a defined member stays a failure."""
+    import inspect
+
+    try:
+        return getattr(cache, name)
+    except AttributeError:
+        try:
+            inspect.getattr_static(cache, name)
+        except AttributeError:
+            raise NotImplementedByIUT(name, owner="cache") from None
+        raise
+
+
 def describe(adapter, spec: str = "") -> dict:
     """The report header: which implementation was tested."""
     implemented = [f for f in FUNCTION_NAMES + CACHE_FUNCTIONS if has_function(adapter, f)]
@@ -189,4 +206,5 @@ def describe(adapter, spec: str = "") -> dict:
         "module": adapter.__name__ if isinstance(adapter, ModuleType) else type(adapter).__module__,
         "implemented": implemented,
         "missing": [f for f in FUNCTION_NAMES + CACHE_FUNCTIONS if f not in implemented],
+        "capabilities": read_capabilities(adapter, spec).as_dict(),
     }

@@ -23,7 +23,7 @@ import warnings
 __all__ = ["main", "run_suite", "clause_table", "SUITE_DIR"]
 
 SUITE_DIR = os.path.dirname(os.path.abspath(__file__))
-STATUS_ORDER = ("fail", "xfail", "not-implemented", "pass", "untested")
+STATUS_ORDER = ("fail", "xfail", "not-implemented", "not-applicable", "pass", "untested")
 
 
 def clause_table(tests: dict, clause_ids: list[str]) -> dict:
@@ -31,7 +31,8 @@ def clause_table(tests: dict, clause_ids: list[str]) -> dict:
 
     A clause fails if any test citing it fails (xpass counts as pass); it is "xfail" if its only
     failures are known deviations; "not-implemented" if every test citing it was skipped for a
-    missing callable; "untested" if no test citing it ran (e.g. deselected by --clauses).
+    missing callable; "not-applicable" if every test citing it needs a capability the IUT does not
+    declare; "untested" if no test citing it ran (e.g. deselected by --clauses) or no example ran.
     """
     def outcome_for(r, cid):
         # A ConformanceFailure names the clause it checked: the test fails that clause only.
@@ -54,10 +55,11 @@ def clause_table(tests: dict, clause_ids: list[str]) -> dict:
         elif any(o == "xfail" for o in outcomes):
             entry["status"] = "xfail"
             entry["reason"] = next(r.get("reason", "") for _, r in recs if r["outcome"] == "xfail")
-        elif outcomes and all(o in ("not-implemented", "skip") for o in outcomes) and "not-implemented" in outcomes:
-            entry["status"] = "not-implemented"
-            entry["reason"] = next(r.get("reason", "") for _, r in recs if r["outcome"] == "not-implemented")
-        elif any(o in ("passed", "xpass", "passed-other") for o in outcomes):
+        elif outcomes and all(o in ("not-implemented", "not-applicable", "skip") for o in outcomes) \
+                and not {"not-implemented", "not-applicable"}.isdisjoint(outcomes):
+            entry["status"] = "not-implemented" if "not-implemented" in outcomes else "not-applicable"
+            entry["reason"] = next(r.get("reason", "") for _, r in recs if r["outcome"] == entry["status"])
+        elif any(o in ("passed", "xpass", "passed-other") for o in outcomes) and examples > 0:
             entry["status"] = "pass"
         else:
             entry["status"] = "untested"
@@ -162,11 +164,16 @@ def format_table(report: dict) -> str:
             note = c["reason"][:90]
         lines.append(f"{cid:<20} {c['status']:<16} {c['tests']:>5} {c['examples']:>8}  {note}")
     s = report["summary"]
-    lines.append(f"pass {s['pass']}, fail {s['fail']}, xfail {s['xfail']}, not-implemented {s['not-implemented']}, "
-                 f"untested {s['untested']}; wall {report['wall_s']} s")
+    lines.append(", ".join(f"{k} {s[k]}" for k in STATUS_ORDER) + f"; wall {report['wall_s']} s")
     for w in report.get("xfail_warnings", []):
         lines.append(f"warning (xfails file): {w}")
     return "\n".join(lines)
+
+
+def _caps_line(caps) -> str:
+    if not caps:
+        return "full support"
+    return "; ".join(f"{k}: {v if isinstance(v, str) else ', '.join(v)}" for k, v in caps.items())
 
 
 def format_markdown(report: dict) -> str:
@@ -174,7 +181,8 @@ def format_markdown(report: dict) -> str:
     out = [f"# A2ATS conformance report", "",
            f"- implementation: **{impl.get('name', '?')}** {impl.get('version', '')} (`{impl.get('iut', '')}`)",
            f"- dtype: {impl.get('dtype', '?')}; Hypothesis profile: {report['profile']}; wall: {report['wall_s']} s",
-           f"- missing callables: {', '.join(impl.get('missing', [])) or 'none'}", "",
+           f"- missing callables: {', '.join(impl.get('missing', [])) or 'none'}",
+           f"- declared capabilities: {_caps_line(impl.get('capabilities'))}", "",
            "| clause | status | tests | examples | counterexample / note |", "|---|---|---:|---:|---|"]
     for cid, c in report["clauses"].items():
         note = ""

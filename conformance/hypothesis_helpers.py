@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 from a2ats_spec import oracle
 
+from . import capabilities
+
 __all__ = [
-    "MAX_POSITION", "head_dims", "rope_params", "gqa_heads", "positions", "spd_matrices",
+    "MAX_POSITION", "head_dims", "rope_params", "layouts", "topk_values", "topk_for_count", "gqa_heads", "positions", "spd_matrices",
     "rng_from", "as_strategy", "normal", "codebook_case", "scores_case", "kmeans_points",
 ]
 
@@ -57,6 +59,35 @@ def head_dims(*, max_dim: int = 64):
 
 
 @st.composite
+def layouts(draw):
+    """A ``traditional=`` flag among the RoPE layouts the IUT declares (capabilities, read at draw time)."""
+    return draw(st.sampled_from(capabilities.current().traditional_values), label="traditional")
+
+
+@st.composite
+def topk_values(draw, *, fractions=(0.03, 0.1, 0.25, 0.5, 0.99, 1.0), counts=st.integers(1, 12)):
+    """A ``topk`` argument in a form the IUT declares: a fraction in (0, 1] and/or an int count."""
+    forms = capabilities.current().topk
+    opts = []
+    if "fraction" in forms:
+        opts.append(fractions if isinstance(fractions, st.SearchStrategy) else st.sampled_from(list(fractions)))
+    if "count" in forms:
+        opts.append(counts if isinstance(counts, st.SearchStrategy) else st.sampled_from(list(counts)))
+    return draw(st.one_of(opts), label="topk")
+
+
+def topk_for_count(k: int, n_visible: int):
+    """``topk`` that selects ``k`` candidates of a query seeing ``n_visible`` tokens (RET-TOPK): the int ``k``
+    when the IUT takes counts, else the fraction (k + 0.5) / n_visible, whose floor times n_visible is k."""
+    if "count" in capabilities.current().topk:
+        return k
+    f = 1.0 if k >= n_visible else (k + 0.5) / n_visible
+    if not 0 < f <= 1:
+        raise ValueError(f"topk_for_count: cannot select {k} of {n_visible} tokens with a fraction")
+    return f
+
+
+@st.composite
 def rope_params(draw, *, head_dim=None, max_dim: int = 64, scaled: bool = True):
     """{'d', 'base', 'scaling', 'traditional', 'inv_freqs'} with inv_freqs from the oracle (float64)."""
     d = draw(as_strategy(head_dim, "head_dim") if head_dim is not None else head_dims(max_dim=max_dim), label="head_dim")
@@ -71,7 +102,7 @@ def rope_params(draw, *, head_dim=None, max_dim: int = 64, scaled: bool = True):
     elif kind == "llama3":
         scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
-    traditional = draw(st.booleans(), label="traditional")
+    traditional = draw(layouts(), label="traditional")
     inv = oracle.rope_inv_freqs(d, base, scaling)
     return {"d": d, "base": base, "scaling": scaling, "traditional": traditional, "inv_freqs": inv}
 
@@ -145,7 +176,7 @@ def scores_case(draw, *, max_T: int = 48):
     query_pos = draw(st.integers(0, T - 1), label="query_pos")
     w = draw(st.integers(0, 8), label="w")
     sinks = draw(st.integers(0, 4), label="sinks")
-    topk = draw(st.one_of(st.sampled_from([0.03, 0.1, 0.25, 0.5, 0.99, 1.0]), st.integers(1, 12)), label="topk")
+    topk = draw(topk_values(), label="topk")
     seed = draw(seeds(), label="seed")
     rng = rng_from(seed)
     s = normal(rng, (n_q, T))

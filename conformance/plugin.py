@@ -2,7 +2,9 @@
 
 - options ``--iut``, ``--a2ats-dtype``, ``--xfails``, ``--a2ats-results``, ``--counterexample-dir``,
   ``--clauses``; the IUT defaults to $A2ATS_IUT, then to the MLX reference adapter;
-- the ``clause(*ids, needs=(...))`` marker, the ``dtype`` parametrisation and the ``ctx`` fixture;
+- the ``clause(*ids, needs=(...), requires={...})`` marker, the ``dtype`` parametrisation and the ``ctx`` fixture;
+  ``requires`` names capabilities (capabilities.py) the test needs as a whole: without them it reads
+  "not-applicable";
 - Hypothesis profiles ``quick``, ``ci`` (default) and ``thorough``;
 - "not-implemented" skips when the adapter lacks a callable a test needs;
 - known deviations (xfails file) applied at collection;
@@ -20,6 +22,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
+from . import capabilities as _caps
 from . import xfails as _xf
 from .adapter import (CACHE_FUNCTIONS, CLAUSE_FUNCTIONS, AdapterError, NotImplementedByIUT, describe,
                       has_function, load_adapter, resolve_iut_spec)
@@ -70,6 +73,25 @@ def _item_needs(item) -> tuple[str, ...]:
     return tuple(dict.fromkeys(needs))
 
 
+def _item_requires(item) -> dict:
+    req: dict = {}
+    for m in item.iter_markers("clause"):
+        for k, v in (m.kwargs.get("requires") or {}).items():
+            req.setdefault(k, set()).update((v,) if isinstance(v, str) else v)
+    return req
+
+
+def _not_implemented(exc) -> NotImplementedByIUT | None:
+    """The NotImplementedByIUT in ``exc``, also when Hypothesis bundles it with other errors (ExceptionGroup)."""
+    if isinstance(exc, NotImplementedByIUT):
+        return exc
+    for sub in getattr(exc, "exceptions", None) or ():
+        found = _not_implemented(sub)
+        if found is not None:
+            return found
+    return None
+
+
 def pytest_addoption(parser):
     g = parser.getgroup("a2ats", "A2ATS conformance suite")
     g.addoption("--iut", default=None, help="adapter of the implementation under test, 'module:object' "
@@ -82,7 +104,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "clause(*ids, needs=()): spec clauses this property checks (a2ats_spec.clauses)")
+    config.addinivalue_line("markers", "clause(*ids, needs=(), requires={}): spec clauses this property checks "
+                            "(a2ats_spec.clauses), the adapter callables and the capabilities it needs")
     spec = resolve_iut_spec(config.getoption("iut"))
     try:
         adapter = load_adapter(spec)
@@ -104,9 +127,11 @@ def pytest_configure(config):
             devs = _xf.read_xfails(config.getoption("xfails"))
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
+    caps = _caps.read(adapter, spec)
+    _caps.set_current(caps)   # strategies read it at draw time (also on xdist workers: each runs this hook)
     clauses = config.getoption("clauses")
     config.stash[_STATE] = {
-        "adapter": adapter, "spec": spec, "dtypes": dtypes, "deviations": devs,
+        "adapter": adapter, "spec": spec, "dtypes": dtypes, "deviations": devs, "caps": caps,
         "only": {c.strip() for c in clauses.split(",")} if clauses else None,
         "tests": {}, "t0": time.time(),
     }
@@ -158,6 +183,9 @@ def pytest_runtest_setup(item):
     missing = [f for f in _item_needs(item) if not has_function(st["adapter"], f)]
     if missing:
         pytest.skip(f"not-implemented: the IUT has no {', '.join(missing)}")
+    unmet = _caps.unmet(st["caps"], _item_requires(item))
+    if unmet:
+        pytest.skip(f"not-applicable: needs capability {'; '.join(unmet)}")
 
 
 @pytest.fixture
@@ -200,9 +228,10 @@ def pytest_runtest_makereport(item, call):
         return
     ctx = getattr(item, "_a2ats_ctx", None)
     info = {"clauses": list(item_clauses(item)), "examples": ctx.examples if ctx else 0}
-    if call.excinfo is not None and call.excinfo.errisinstance(NotImplementedByIUT):
+    missing = _not_implemented(call.excinfo.value) if call.excinfo is not None else None
+    if missing is not None:
         rep.outcome = "skipped"
-        rep.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {call.excinfo.value}")
+        rep.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {missing}")
     elif rep.failed and ctx is not None:
         cex = ctx.last_failure
         if cex is None or not call.excinfo.errisinstance(ConformanceFailure):
@@ -228,7 +257,7 @@ def _record(st, rep):
         rec["reason"] = rep.wasxfail
     elif rep.skipped:
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-        rec["outcome"] = "not-implemented" if "not-implemented" in reason else "skip"
+        rec["outcome"] = next((o for o in ("not-implemented", "not-applicable") if f"{o}:" in reason), "skip")
         rec["reason"] = reason
     elif rep.failed:
         rec["outcome"] = "fail"
@@ -252,6 +281,7 @@ def pytest_sessionstart(session):
 def pytest_unconfigure(config):
     if config in _ACTIVE:
         _ACTIVE.remove(config)
+        _caps.set_current(None)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

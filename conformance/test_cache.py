@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from a2ats_conformance import hypothesis_helpers as hh
+from a2ats_conformance.adapter import get_member
 from a2ats_conformance.decode_checks import check_decode
 from a2ats_spec import oracle
 
@@ -27,7 +28,7 @@ def cache_setup(draw, *, max_T=24, topk=None, w=None, sinks=None):
                   inv_freqs=p["inv_freqs"], traditional=p["traditional"],
                   w=draw(st.integers(0, 6), label="w") if w is None else w, b=draw(st.sampled_from([64, 2048]), label="b"),
                   sinks=draw(st.integers(0, 3), label="sinks") if sinks is None else sinks,
-                  topk=draw(st.sampled_from([0.1, 0.5, 2, 4]), label="topk") if topk is None else topk, scale=None)
+                  topk=draw(hh.topk_values(fractions=(0.1, 0.5), counts=(2, 4)), label="topk") if topk is None else topk, scale=None)
     return config, rng, dict(seed=seed, n_q=n_q, n_kv=n_kv, K=K, head_dim=d, w=config["w"], b=config["b"],
                              sinks=config["sinks"], topk=config["topk"])
 
@@ -61,14 +62,25 @@ class CacheCalls:
         self.cache = ctx.call("make_cache", self.cfg)
 
     def __getattr__(self, name):
-        attr = getattr(self.cache, name)
+        attr = get_member(self.cache, name)   # a member the cache lacks: not-implemented, not AttributeError
         if not callable(attr):
             return attr
 
         def run(*a, **kw):
             self.ctx.calls.append((f"cache{self.index}.{name}", a, kw))
-            return attr(*a, **kw)
+            out = attr(*a, **kw)
+            return _Loaded(out) if name == "load" else out
         return run
+
+
+class _Loaded:
+    """A cache returned by ``load``: its members are looked up like the factory's caches."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __getattr__(self, name):
+        return get_member(self.cache, name)
 
 
 def _state(c):
@@ -82,7 +94,7 @@ def _same_state(ctx, a, b, clause, what):
         ctx.assert_equal(a[key], b[key], clause=clause, what=f"{what}: {key}")
 
 
-@pytest.mark.clause("CACHE-TRIM")
+@pytest.mark.clause("CACHE-TRIM", requires={"cache_ops": ("trim", "decode")})
 @given(setup=cache_setup(), nA=st.integers(1, 10), nB=st.integers(1, 6), nC=st.integers(1, 6))
 def test_trim_rollback(ctx, setup, nA, nB, nC):
     """A then B then trim(|B|) == state after A (codes, positions, offset); then C == A then C."""
@@ -113,7 +125,7 @@ def test_trim_rollback(ctx, setup, nA, nB, nC):
         ctx.fail("CACHE-TRIM", f"trim(n > offset) must trim to 0 and return {total}", f"returned {got!r}, offset {c1.offset}")
 
 
-@pytest.mark.clause("CACHE-CHUNK")
+@pytest.mark.clause("CACHE-CHUNK", requires={"cache_ops": "prefill"})
 @given(setup=cache_setup(), T=st.integers(2, 24), cuts=st.lists(st.integers(1, 23), max_size=3))
 def test_chunked_prefill(ctx, setup, T, cuts):
     config, rng, notes = setup
@@ -135,7 +147,7 @@ def test_chunked_prefill(ctx, setup, T, cuts):
                      what="codes after chunked vs one-shot prefill")
 
 
-@pytest.mark.clause("CACHE-DECODE", "CACHE-FAR-CODES")
+@pytest.mark.clause("CACHE-DECODE", "CACHE-FAR-CODES", requires={"cache_ops": "decode"})
 @given(setup=cache_setup(), T=st.integers(1, 24))
 def test_decode_matches_oracle(ctx, setup, T):
     """Codes are the oracle's EQ-12 + EQ-16 codes (allowed sets); decode equals the oracle's decode step."""
@@ -191,11 +203,11 @@ def _everything_selected(draw):
     """topk covering all candidates, or a window / sink count >= the sequence length."""
     T = draw(st.integers(1, 24), label="T")
     how = draw(st.sampled_from(["topk", "window", "sinks"]), label="how")
-    kw = {"topk": {"topk": 1.0}, "window": {"w": T + draw(st.integers(0, 3))}, "sinks": {"sinks": T, "w": 0}}[how]
+    kw = {"topk": {"topk": hh.topk_for_count(T, T)}, "window": {"w": T + draw(st.integers(0, 3))}, "sinks": {"sinks": T, "w": 0}}[how]
     return draw(cache_setup(**kw), label="setup"), T, how
 
 
-@pytest.mark.clause("CACHE-DENSE-EQUIV")
+@pytest.mark.clause("CACHE-DENSE-EQUIV", requires={"cache_ops": "decode"})
 @given(case=_everything_selected())
 def test_full_selection_is_dense_attention(ctx, case):
     setup, T, how = case
@@ -212,7 +224,7 @@ def test_full_selection_is_dense_attention(ctx, case):
     ctx.assert_close(out, dense, clause="CACHE-DENSE-EQUIV", what="decode with everything selected vs dense attention")
 
 
-@pytest.mark.clause("CACHE-SAVE")
+@pytest.mark.clause("CACHE-SAVE", requires={"cache_ops": ("save_load", "decode")})
 @given(setup=cache_setup(), T=st.integers(0, 12), n=st.integers(1, 4))
 def test_save_load_roundtrip(ctx, setup, T, n):
     config, rng, notes = setup

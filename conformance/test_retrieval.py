@@ -42,8 +42,9 @@ def test_token_scores_match_oracle(ctx, data):
 
 
 @pytest.mark.clause("RET-TOPK")
-@given(T=st.integers(1, 200_000), topk=st.one_of(st.floats(1e-4, 1.0), st.sampled_from([0.03, 0.1, 0.5, 1.0]),
-                                                    st.integers(1, 10_000)),
+@given(T=st.integers(1, 200_000),
+       topk=hh.topk_values(fractions=st.one_of(st.floats(1e-4, 1.0), st.sampled_from([0.03, 0.1, 0.5, 1.0])),
+                           counts=st.integers(1, 10_000)),
        n_candidates=st.one_of(st.none(), st.integers(0, 5000)))
 def test_topk_count_matches_oracle(ctx, T, topk, n_candidates):
     """float topk -> int(topk * T) (floor, the authors' int()); int topk -> topk; capped at n_candidates."""
@@ -114,7 +115,7 @@ def test_select_tokens_window_boundary(ctx, data):
     s = hh.normal(hh.rng_from(data.draw(hh.seeds(), label="seed")), (1, T))
     s[0, i - w] = -1e3            # make sure the far token is never the top-1 candidate
     ctx.note(w=w, T=T)
-    mask = np.asarray(ctx.call("select_tokens", s, n_kv_heads=1, query_pos=i, w=w, sinks=0, topk=1))
+    mask = np.asarray(ctx.call("select_tokens", s, n_kv_heads=1, query_pos=i, w=w, sinks=0, topk=hh.topk_for_count(1, T)))
     if not mask[0, i - (w - 1)] or mask[0, i - w]:
         ctx.fail("RET-SELECT", "window boundary: i-j = w-1 must be selected, i-j = w must not (it scores lowest)",
                  f"mask[i-(w-1)]={bool(mask[0, i - (w - 1)])}, mask[i-w]={bool(mask[0, i - w])}")
@@ -135,7 +136,8 @@ def test_select_tokens_takes_the_gqa_union(ctx, data):
         for h in range(G):
             s[g * G + h, winners[g, h]] = 10.0
     ctx.note(seed=seed, n_kv=n_kv, G=G, T=T, winners=winners.tolist())
-    mask = np.asarray(ctx.call("select_tokens", s, n_kv_heads=n_kv, query_pos=T - 1, w=1, sinks=0, topk=1))
+    mask = np.asarray(ctx.call("select_tokens", s, n_kv_heads=n_kv, query_pos=T - 1, w=1, sinks=0,
+                               topk=hh.topk_for_count(1, T)))
     for g in range(n_kv):
         if not mask[g, winners[g]].all():
             ctx.fail("RET-SELECT", "GQA union: the top token of every query head of the group must be selected",
@@ -171,7 +173,7 @@ def decode_case(draw, *, max_T=60):
     w = draw(st.integers(0, 8), label="w")      # w = 0 with sinks = 0: RET-SELECT's never-empty rule
     sinks = draw(st.integers(0, 4), label="sinks")
     b = draw(st.sampled_from([64, 2048]), label="b")
-    topk = draw(st.sampled_from([0.03, 0.1, 0.3, 1.0, 2, 5]), label="topk")
+    topk = draw(hh.topk_values(fractions=(0.03, 0.1, 0.3, 1.0), counts=(2, 5)), label="topk")
     seed = draw(hh.seeds(), label="seed")
     rng = hh.rng_from(seed)
     d = p["d"]

@@ -1,0 +1,31 @@
+"""The reference cache without trim/save/load: undeclared (NoTrim: CACHE-TRIM reads not-implemented) or
+declared (DeclaredNoTrim: CACHE-TRIM reads not-applicable)."""
+
+from a2ats_conformance.adapters.reference import ReferenceAdapter
+
+_KEEP = ("append", "decode", "prefill", "codes", "positions", "keys_values")
+
+
+class _Cache:
+    def __init__(self, inner):
+        for m in _KEEP:
+            setattr(self, m, getattr(inner, m))
+        self._inner = inner
+
+    @property
+    def offset(self):
+        return self._inner.offset
+
+
+class NoTrim:
+    name, version, dtypes = "no-trim", "0", ("float32",)
+
+    def __init__(self):
+        self._ref = ReferenceAdapter()
+
+    def make_cache(self, config):
+        return _Cache(self._ref.make_cache(config))
+
+
+class DeclaredNoTrim(NoTrim):
+    capabilities = {"cache_ops": ("append", "decode", "prefill")}
