@@ -27,6 +27,8 @@ __all__ = [
     # near-tie helpers
     "topk_allowed", "argmin_allowed",
     "SUPPORTED_ROPE_TYPES",
+    # CACHE-*: float64 model of the adapter cache protocol (spec/oracle_cache.py)
+    "OracleCache",
 ]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -847,3 +849,14 @@ def code_dtype(K: int) -> np.dtype:
     if K <= 65536:
         return np.dtype(np.uint16)
     raise ValueError(f"K: codes are at most 16-bit, so K must be <= 65536, got {K}")
+
+
+# --------------------------------------------------------------------------- CACHE-*
+# OracleCache lives in spec/oracle_cache.py (it is built from the clause functions above) and is re-exported
+# here lazily, so that either module can be imported first.
+
+def __getattr__(name: str):
+    if name == "OracleCache":
+        from .oracle_cache import OracleCache
+        return OracleCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

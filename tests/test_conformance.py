@@ -33,8 +33,7 @@ def test_oracle_conforms_at_float64(tmp_path):
     assert code == 0, {c: v for c, v in rep["clauses"].items() if v["status"] == "fail"}
     assert rep["implementation"]["dtype"] == "float64"
     st = {c: v["status"] for c, v in rep["clauses"].items()}
-    assert all(s == "not-implemented" for c, s in st.items() if c.startswith("CACHE-")), st
-    assert all(s == "pass" for c, s in st.items() if not c.startswith("CACHE-")), st
+    assert all(s == "pass" for s in st.values()), st      # OracleCache runs the CACHE-* clauses too
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

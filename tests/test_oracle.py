@@ -558,3 +558,125 @@ OM8 = o.rope_inv_freqs(8, 1e4)
 def test_bad_input_raises_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# --------------------------------------------------------------------------- CACHE-* (OracleCache)
+
+def _cache_config(seed=0, *, n_kv=2, G=2, d=8, K=16, batch=None, w=3, sinks=1, topk=0.25, b=64):
+    r = rng(seed)
+    Cz = r.standard_normal((n_kv, K, d))
+    L = np.stack([o.cholesky(np.cov(r.standard_normal((4 * d, d)), rowvar=False) + 0.5 * np.eye(d))
+                  for _ in range(n_kv)])
+    cfg = dict(n_kv_heads=n_kv, n_q_heads=n_kv * G, head_dim=d, Cz=Cz, L=L, C=o.back_transform(Cz, L),
+               inv_freqs=o.rope_inv_freqs(d, 1e4), traditional=False, w=w, b=b, sinks=sinks, topk=topk, scale=None)
+    if batch is not None:
+        cfg["batch"] = batch
+    return cfg
+
+
+def _post_keys(cfg, r, start, n, lead=()):
+    k_pre = r.standard_normal(lead + (cfg["n_kv_heads"], n, cfg["head_dim"]))
+    k = o.rope_apply(k_pre, np.arange(start, start + n), cfg["inv_freqs"], traditional=cfg["traditional"])
+    return k_pre, k, r.standard_normal(lead + (cfg["n_kv_heads"], n, cfg["head_dim"]))
+
+
+def test_oracle_cache_is_built_from_the_clause_functions():
+    cfg = _cache_config(1)
+    r = rng(2)
+    c = o.OracleCache(cfg)
+    k_pre, k, v = _post_keys(cfg, r, 0, 9)
+    c.append(k[:, :4], v[:, :4])
+    c.append(k[:, 4:], v[:, 4:])
+    assert c.offset == 9 and c.positions().tolist() == list(range(9))
+    want = np.stack([o.assign_z(k_pre[g], cfg["Cz"][g], cfg["L"][g]) for g in range(2)])
+    assert np.array_equal(c.codes(), want) and c.codes().dtype == np.uint8
+    kk, vv = c.keys_values()
+    assert np.array_equal(kk, k) and np.array_equal(vv, v)
+    q = r.standard_normal((4, 8))
+    out, mask = c.decode(q)
+    o2, m2 = o.decode_step(q, k, v, want, cfg["C"], query_pos=8, b=64, w=3, sinks=1, topk=0.25,
+                           inv_freqs=cfg["inv_freqs"], traditional=False, return_mask=True)
+    assert np.array_equal(mask, m2) and np.allclose(out, o2, rtol=0, atol=0)
+    must, may = c.decode_allowed(q, c.codes(), 0.0)
+    assert np.all(must <= mask) and np.all(mask <= may)
+    assert np.array_equal(c.attention(q, mask), out)
+    allowed = c.code_allowed(lambda dist: 1e-9 * np.max(dist))
+    assert allowed.shape == (2, 9, 16) and np.all(np.take_along_axis(allowed, want[..., None], -1))
+    qp = r.standard_normal((4, 5, 8))
+    assert np.allclose(c.prefill(qp), o.prefill_attention(qp, k, v))
+    assert c.trim(4) == 4 and c.offset == 5 and np.array_equal(c.codes(), want[:, :5])
+    assert c.trim(99) == 5 and c.offset == 0 and c.codes().shape == (2, 0)
+
+
+def test_oracle_cache_save_load_copy_and_errors(tmp_path):
+    cfg = _cache_config(3)
+    r = rng(4)
+    c = o.OracleCache(cfg)
+    _, k, v = _post_keys(cfg, r, 0, 5)
+    c.append(k, v)
+    c.save(tmp_path / "c")
+    back = c.load(tmp_path / "c")
+    cp = c.copy()
+    for other in (back, cp):
+        assert np.array_equal(other.codes(), c.codes()) and np.array_equal(other.keys_values()[0], k)
+    cp.trim(2)
+    assert c.offset == 5                                     # a copy is independent
+    with pytest.raises(ValueError, match="parameters"):
+        o.OracleCache(dict(cfg, w=7)).load(tmp_path / "c")
+    with pytest.raises(ValueError, match="missing key"):
+        o.OracleCache({k: v for k, v in cfg.items() if k != "Cz"})
+    with pytest.raises(ValueError, match="no batch axis"):
+        c.append(k[None], v[None])
+    with pytest.raises(ValueError, match="empty"):
+        o.OracleCache(cfg).decode(np.zeros((4, 8)))
+
+
+def test_oracle_cache_batch_rows_equal_batch_one_caches():
+    cfg = _cache_config(5, batch=3)
+    r = rng(6)
+    big = o.OracleCache(cfg)
+    _, k, v = _post_keys(cfg, r, 0, 12, lead=(3,))
+    big.append(k, v)
+    q = r.standard_normal((3, 4, 8))
+    out, mask = big.decode(q)
+    assert out.shape == (3, 4, 8) and mask.shape == (3, 2, 12) and big.codes().shape == (3, 2, 12)
+    one = {key: val for key, val in cfg.items() if key != "batch"}
+    for row in range(3):
+        c = o.OracleCache(one)
+        c.append(k[row], v[row])
+        o1, m1 = c.decode(q[row])
+        assert np.array_equal(m1, mask[row]) and np.array_equal(o1, out[row])
+        assert np.array_equal(c.codes(), big.codes()[row])
+
+
+def test_oracle_cache_agrees_with_the_mlx_cache():
+    """The model and a2ats_ref's A2ATSCache (through the reference adapter) hold the same state and
+    decode to the same selection (allowed sets) and output, batched and not, across buffer growth."""
+    from a2ats_conformance.adapters.reference import ReferenceAdapter
+
+    for batch in (None, 2):
+        cfg = _cache_config(7, batch=batch, K=64, topk=0.05)
+        lead = () if batch is None else (batch,)
+        r = rng(8)
+        ref = ReferenceAdapter().make_cache({k: (v.astype(np.float32) if isinstance(v, np.ndarray) else v)
+                                             for k, v in cfg.items()})
+        orc = o.OracleCache(cfg)
+        start = 0
+        for n in (200, 100, 1):                              # past the 256-token preallocation
+            _, k, v = _post_keys(cfg, r, start, n, lead)
+            k, v = k.astype(np.float32), v.astype(np.float32)
+            ref.append(k, v)
+            orc.append(k, v)
+            start += n
+        allowed = orc.code_allowed(lambda dist: 1e-4 * np.max(dist))
+        assert np.all(np.take_along_axis(allowed, ref.codes()[..., None].astype(np.int64), -1))
+        assert np.array_equal(ref.positions(), orc.positions())
+        assert np.array_equal(ref.keys_values()[0], orc.keys_values()[0])
+        q = o.rope_apply(r.standard_normal(lead + (4, 8)), start - 1, cfg["inv_freqs"], traditional=False)
+        q = q.astype(np.float32)
+        out, mask = ref.decode(q)
+        must, may = orc.decode_allowed(q, ref.codes(), lambda s: 1e-4 * max(1.0, np.max(np.abs(s))))
+        assert np.all(must <= mask) and np.all(mask <= may)
+        assert np.allclose(out, orc.attention(q, mask), rtol=1e-4, atol=1e-4)
+        qp = r.standard_normal(lead + (4, 3, 8)).astype(np.float32)
+        assert np.allclose(ref.prefill(qp), orc.prefill(qp), rtol=1e-4, atol=1e-4)

@@ -3,7 +3,8 @@
 NumPy in, NumPy out: float arrays become mx arrays of the same dtype (float32 arrays become
 bfloat16 when the suite sets ``input_dtype = "bfloat16"``), integer and bool arrays keep their
 dtype; results come back as NumPy (bfloat16 results as float32).  The cache factory wraps
-``a2ats_ref.cache.A2ATSCache`` (batch of one) in the NumPy cache protocol of README-ADAPTER.md.
+``a2ats_ref.cache.A2ATSCache`` in the NumPy cache protocol of README-ADAPTER.md (a batch of one, or
+``config["batch"]`` rows with a leading batch axis).
 """
 
 from __future__ import annotations
@@ -103,12 +104,13 @@ class ReferenceAdapter:
 
 
 class ReferenceCache:
-    """NumPy view of one layer's A2ATSCache (batch 1); see README-ADAPTER.md, cache protocol."""
+    """NumPy view of one layer's A2ATSCache; see README-ADAPTER.md, cache protocol (batch included)."""
 
     def __init__(self, config: dict, _cache=None):
         from a2ats_ref.cache import A2ATSCache, A2ATSConfig, LayerCodebook
 
         self.config = dict(config)
+        self.batched = config.get("batch") is not None
         if _cache is None:
             lc = LayerCodebook.from_z(mx.array(np.asarray(config["Cz"], np.float32)),
                                       mx.array(np.asarray(config["L"], np.float32)))
@@ -117,16 +119,29 @@ class ReferenceCache:
                                 bool(config["traditional"]), cfg)
         self._c = _cache
 
+    def _in(self, x):
+        """Protocol array -> mx with the cache's leading batch axis."""
+        a = mx.array(x)
+        return a if self.batched else a[None]
+
+    def _out(self, x):
+        """mx (B, ...) -> NumPy, without the batch axis for an unbatched cache."""
+        return to_np(x if self.batched else x[0])
+
     @property
     def offset(self) -> int:
         return int(self._c.offset)
 
+    def _empty_rows(self):
+        return (self.config["batch"],) if self.batched else ()
+
     def append(self, keys_post, values) -> None:
-        self._c.update_and_fetch(mx.array(keys_post)[None], mx.array(values)[None])
+        self._c.update_and_fetch(self._in(keys_post), self._in(values))
 
     def decode(self, q_post):
-        out = self._c.decode(mx.array(q_post)[None, :, None, :], scale=self.config.get("scale"))
-        return to_np(out[0, :, 0, :]), to_np(self._c.last_selection[0])
+        q = self._in(q_post)
+        out = self._c.decode(q[:, :, None, :], scale=self.config.get("scale"))
+        return self._out(out[:, :, 0, :]), self._out(self._c.last_selection)
 
     def prefill(self, q_post):
         from mlx_lm.models.base import scaled_dot_product_attention
@@ -134,8 +149,8 @@ class ReferenceCache:
         k, v = self._c.keys_and_values()
         d = q_post.shape[-1]
         scale = self.config.get("scale") or d ** -0.5
-        out = scaled_dot_product_attention(mx.array(q_post)[None], k, v, cache=self._c, scale=scale, mask="causal")
-        return to_np(out[0])
+        out = scaled_dot_product_attention(self._in(q_post), k, v, cache=self._c, scale=scale, mask="causal")
+        return self._out(out)
 
     def trim(self, n: int) -> int:
         return int(self._c.trim(n))
@@ -143,19 +158,19 @@ class ReferenceCache:
     def codes(self):
         if self.offset == 0:
             from a2ats_ref.codes import code_dtype
-            return np.zeros((self.config["n_kv_heads"], 0), code_dtype(np.asarray(self.config["Cz"]).shape[1]))
-        return to_np(self._c.codes_view()[0])
+            shape = self._empty_rows() + (self.config["n_kv_heads"], 0)
+            return np.zeros(shape, code_dtype(np.asarray(self.config["Cz"]).shape[1]))
+        return self._out(self._c.codes_view())
 
     def positions(self):
         return to_np(self._c.positions)
 
     def keys_values(self):
         if self._c.keys is None or self.offset == 0:
-            d = self.config["head_dim"]
-            n_kv = self.config["n_kv_heads"]
-            return np.zeros((n_kv, 0, d), np.float32), np.zeros((n_kv, 0, d), np.float32)
+            shape = self._empty_rows() + (self.config["n_kv_heads"], 0, self.config["head_dim"])
+            return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
         k, v = self._c.keys_and_values()
-        return to_np(k[0]), to_np(v[0])
+        return self._out(k), self._out(v)
 
     def save(self, path: str) -> None:
         from a2ats_ref.cache_io import save_a2ats_cache
