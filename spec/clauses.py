@@ -1,20 +1,28 @@
 """Clause registry parsed from SPEC.md, the only place where clause IDs are defined.
 
 A clause is a level-3 heading ``### <ID> — <title>`` of SPEC.md (package data of ``a2ats_spec``).
-``CLAUSES`` keeps the document order.
+``CLAUSES`` keeps the document order.  ``SPEC_VERSION`` is the document's semver ("Spec version: X.Y.Z"),
+each clause's ``version`` the one its "**Version.** X.Y.Z, introduced|changed." line names (None when the
+line is missing; a meta-test requires it), and ``spec_sha256()`` identifies the exact text a report was
+checked against.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import unicodedata
 from dataclasses import dataclass
 from importlib import resources
 
-__all__ = ["Clause", "CLAUSES", "clause_ids", "get", "parse", "spec_text"]
+__all__ = ["Clause", "CLAUSES", "SPEC_VERSION", "clause_ids", "get", "parse", "parse_version", "spec_sha256",
+           "spec_text"]
 
 _HEADING = re.compile(r"^### (?P<id>[A-Z][A-Z0-9]*(?:-[A-Z0-9]+)*) \u2014 (?P<title>\S.*?)\s*$")
 _ID_ONLY = re.compile(r"^### (?P<id>[A-Z][A-Z0-9]*(?:-[A-Z0-9]+)*)\b")
+_SEMVER = r"(?P<v>(?:0|[1-9]\d*)\.(?:0|[1-9]\d*)\.(?:0|[1-9]\d*))"
+_SPEC_VERSION = re.compile(r"\*\*Spec version: " + _SEMVER + r"\*\*")
+_CLAUSE_VERSION = re.compile(r"^\*\*Version\.\*\* " + _SEMVER + r", (?P<how>introduced|changed)\b", re.M)
 
 
 @dataclass(frozen=True)
@@ -26,6 +34,8 @@ class Clause:
     anchor: str
     line: int
     text: str
+    version: str | None = None       # spec version the clause was introduced or last changed in
+    version_change: str | None = None  # "introduced" | "changed"
 
     def __str__(self) -> str:
         return f"{self.id} \u2014 {self.title}"
@@ -67,11 +77,29 @@ def parse(text: str) -> dict[str, Clause]:
             if re.match(r"^#{1,3} ", line):
                 body = body[:j]
                 break
-        clauses[cid] = Clause(cid, title, _anchor(f"{cid} \u2014 {title}"), n + 1, "\n".join(body).strip())
+        text_ = "\n".join(body).strip()
+        v = _CLAUSE_VERSION.search(text_)
+        clauses[cid] = Clause(cid, title, _anchor(f"{cid} \u2014 {title}"), n + 1, text_,
+                              v["v"] if v else None, v["how"] if v else None)
     return clauses
 
 
+def parse_version(text: str) -> str:
+    """The document's "**Spec version: X.Y.Z**"; ValueError when it is missing or given twice."""
+    found = _SPEC_VERSION.findall(text)
+    if len(found) != 1:
+        raise ValueError(f"SPEC.md must state its version exactly once as '**Spec version: X.Y.Z**' (semver); "
+                         f"found {found or 'none'}")
+    return found[0]
+
+
+def spec_sha256() -> str:
+    """SHA-256 (hex) of SPEC.md's bytes as shipped: which exact text a report was checked against."""
+    return hashlib.sha256(resources.files("a2ats_spec").joinpath("SPEC.md").read_bytes()).hexdigest()
+
+
 CLAUSES: dict[str, Clause] = parse(spec_text())
+SPEC_VERSION: str = parse_version(spec_text())
 
 
 def clause_ids() -> list[str]:
