@@ -159,8 +159,10 @@ class LayerCodebook:
         if L.shape != (n_kv, d, d):
             raise ValueError(f"L: expected Cholesky factors of shape ({n_kv}, {d}, {d}) to match Cz, got {tuple(L.shape)}")
         checks.check_lower_triangular(L, "L")
+        checks.check_cholesky_conditioning(L, "L")
         C = back_transform(Cz, L)  # EQ-18, batched over KV heads
         mx.eval(C)
+        checks.check_finite(C, "C = Cz L^-1 (EQ-18)")
         return cls(Cz=Cz, L=L, C=C)
 
 

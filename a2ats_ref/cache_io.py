@@ -2,9 +2,9 @@
 
 Arrays: per layer i, `{i}.keys`, `{i}.values` (post-RoPE, as cached), `{i}.codes`,
 `{i}.inv_freqs`. JSON metadata (safetensors string metadata, never pickle):
-format name and version, and per layer the config, RoPE layout, offset, shapes,
-dtypes and a SHA-256 fingerprint of the codebook the codes were computed with.
-Loading needs that same codebook; a different one is rejected, because the codes
+format name and version, a SHA-256 of every array (verified on load), and per layer
+the config, RoPE layout, offset, shapes, dtypes and a SHA-256 fingerprint of the
+codebook the codes were computed with. Saving is atomic (a2ats_ref.fileio). Loading needs that same codebook; a different one is rejected, because the codes
 would not mean anything under it.
 
 mlx-lm's save_prompt_cache/load_prompt_cache cannot round-trip an A2ATSCache:
@@ -25,6 +25,7 @@ import numpy as np
 
 from .cache import A2ATSCache, A2ATSCodebook, A2ATSConfig, LayerCodebook
 from .codes import mx_code_dtype
+from .fileio import CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, verify_checksums
 
 __all__ = ["save_a2ats_cache", "load_a2ats_cache", "FORMAT", "VERSION", "codebook_fingerprint"]
 
@@ -53,8 +54,11 @@ def save_a2ats_cache(path, caches, metadata: Optional[dict] = None) -> None:
     """Save A2ATS caches (one per layer, as from make_a2ats_cache) to `path` (.safetensors).
 
     metadata: optional dict of str -> str stored alongside (returned by load_a2ats_cache(..., return_metadata=True)).
+    Atomic (a2ats_ref.fileio): an interrupted save leaves the previous file intact. Every array's
+    SHA-256 is stored and verified on load.
     """
     path = _check_path(path)
+    check_writable(path, "path")
     caches = list(caches)
     if not caches:
         raise ValueError("caches: expected a non-empty list of A2ATSCache (one per layer)")
@@ -88,8 +92,9 @@ def save_a2ats_cache(path, caches, metadata: Optional[dict] = None) -> None:
         "version": str(VERSION),
         "layers": json.dumps(layers),
         "user_metadata": json.dumps(metadata or {}),
+        CHECKSUMS_KEY: checksums(arrays),
     }
-    mx.save_safetensors(path, arrays, meta)
+    atomic_save_safetensors(path, arrays, meta)
 
 
 def _bad(path, what) -> ValueError:
@@ -113,6 +118,7 @@ def load_a2ats_cache(path, codebook, *, return_metadata: bool = False):
         raise _bad(path, f"format is {meta.get('format')!r}; was it written by mlx-lm's save_prompt_cache?")
     if meta.get("version") != str(VERSION):
         raise _bad(path, f"version {meta.get('version')!r} is not supported")
+    verify_checksums(path, arrays, meta)
     try:
         layers = json.loads(meta["layers"])
         user = json.loads(meta.get("user_metadata", "{}"))

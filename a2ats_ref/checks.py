@@ -15,6 +15,9 @@ FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # Positions travel as float32 angles; integers above 2**24 are not exact there.
 MAX_POSITION = 2**24
 MAX_CODEBOOK = 65536
+# A Cholesky factor of a calibrated H (RMS-normalised, ridge 1e-6, d <= 256) has a smallest/largest
+# diagonal ratio above sqrt(1e-6 / 256) ~ 6e-5; far below that, C = Cz L^-1 overflows float32.
+MIN_L_DIAG_RATIO = 1e-6
 
 
 def _dtype_name(dt) -> str:
@@ -208,6 +211,17 @@ def check_spd(H: mx.array, name: str = "H") -> None:
         raise ValueError(
             f"{name}: expected positive definite matrices; matrix {_index(i, H.shape[:-2])} has smallest "
             f"eigenvalue {lo[i].item():.3g} (add a ridge, e.g. query_moment(..., ridge=1e-6))"
+        )
+
+
+def check_cholesky_conditioning(L: mx.array, name: str = "L") -> None:
+    """A stored Cholesky factor must be invertible in float32: smallest/largest diagonal >= MIN_L_DIAG_RATIO."""
+    diag = mx.diagonal(L, axis1=-2, axis2=-1)
+    ratio = mx.min(diag, axis=-1) / mx.max(diag, axis=-1)
+    if diag.size and mx.any(ratio < MIN_L_DIAG_RATIO).item():
+        raise ValueError(
+            f"{name}: ill-conditioned Cholesky factor (smallest/largest diagonal {mx.min(ratio).item():.3g} < "
+            f"{MIN_L_DIAG_RATIO:g}); C = Cz L^-1 would overflow. Recalibrate (EQ-10's ridge prevents this)"
         )
 
 

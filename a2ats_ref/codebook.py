@@ -6,9 +6,10 @@ Arrays, for every layer l (all KV heads of the layer stacked):
 The key-space codebook C = Cz L^-1 (EQ-18) is derived on load by the cache, not stored.
 
 Metadata (safetensors string map): ``format`` = "a2ats-codebook", ``format_version`` = "1",
-and ``a2ats`` = a JSON object with the package version, the model identity (architecture, layer
-and head counts, head_dim, RoPE base/scaling/layout, weights fingerprint), b, K, the token counts,
-the corpus description and the seed.
+``checksums`` = SHA-256 of every array (a2ats_ref.fileio, verified on load), and ``a2ats`` = a JSON
+object with the package version, the model identity (architecture, layer and head counts, head_dim,
+RoPE base/scaling/layout, weights fingerprint), b, K, the token counts, the corpus description and
+the seed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from .checks import check_cholesky_conditioning
+from .fileio import CHECKSUMS_KEY, atomic_save_safetensors, checksums, verify_checksums
 
 FORMAT_NAME = "a2ats-codebook"
 FORMAT_VERSION = "1"
@@ -99,12 +103,9 @@ class Codebook:
         meta["codebook_size"] = self.K
         meta["head_dim"] = self.head_dim
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp.safetensors")
-        mx.save_safetensors(
-            str(tmp), arrays, metadata={"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "a2ats": json.dumps(meta, sort_keys=True)}
-        )
-        tmp.replace(path)  # never leave a half-written codebook under the final name
-        return path
+        md = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "a2ats": json.dumps(meta, sort_keys=True),
+              CHECKSUMS_KEY: checksums(arrays)}
+        return atomic_save_safetensors(path, arrays, md)  # never a half-written codebook under the final name
 
     @classmethod
     def load(cls, path) -> "Codebook":
@@ -128,6 +129,7 @@ class Codebook:
                 f"{path}: codebook format version {md.get('format_version')!r} is not supported "
                 f"(this a2ats-ref reads version {FORMAT_VERSION}); recalibrate with a2ats-calibrate"
             )
+        verify_checksums(path, arrays, md, error=CodebookError)
         try:
             meta = json.loads(md.get("a2ats", ""))
             if not isinstance(meta, dict):
@@ -220,6 +222,7 @@ def _check_arrays(cz, Ls, *, where: str) -> None:
         Ln = np.array(L)
         if np.any(np.triu(Ln, 1) != 0) or np.any(np.diagonal(Ln, axis1=-2, axis2=-1) <= 0):
             raise ValueError(f"{where}: layers.{l}.L is not lower triangular with a positive diagonal (corrupt codebook)")
+        check_cholesky_conditioning(L, f"{where}: layers.{l}.L")
 
 
 def model_identity(model, *, fingerprint: str | None = None) -> dict:

@@ -196,3 +196,144 @@ def test_codebook_nbytes_counts_what_it_holds():
     held = lc.Cz.nbytes + lc.L.nbytes + lc.C.nbytes + lc.CT.nbytes + sum(a.nbytes for a in lc.z_operands)
     assert lc.nbytes == held
     assert cb.nbytes == sum(l.nbytes for l in cb.layers)
+
+
+# ------------------------------------------------------------------ 3. kills during saves (atomic writes)
+
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from a2ats_ref.cache_io import load_a2ats_cache, save_a2ats_cache  # noqa: E402
+
+TESTS = str(Path(__file__).parent)
+
+
+def _kill_mid_write(script: str, target: Path, timeout: float = 60.0) -> None:
+    """Run `script` in a child; SIGKILL it as soon as it starts writing (target or a temp file beside it changes)."""
+    before = target.stat()
+    others = set(target.parent.iterdir())
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=TESTS,
+                             env={**os.environ, "PYTHONPATH": TESTS})
+    try:
+        assert child.stdout.readline().strip() == "go", "child did not start"
+        t_end = time.monotonic() + timeout
+        while time.monotonic() < t_end and child.poll() is None:
+            st = target.stat()
+            if (st.st_size, st.st_mtime_ns, st.st_ino) != (before.st_size, before.st_mtime_ns, before.st_ino):
+                break
+            if any(p.stat().st_size > 0 for p in set(target.parent.iterdir()) - others if p.exists()):
+                break
+            time.sleep(0.0005)
+        assert child.poll() is None, "the save finished before it could be interrupted; make the arrays larger"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+
+CACHE_CHILD = """
+import a2ats_ref, numpy as np, mlx.core as mx
+from test_cache_support import quiet_codebook
+from test_faults import _cache
+from a2ats_ref.cache_io import save_a2ats_cache
+c = _cache(quiet_codebook(n_layers=1))
+T, rng = 200_000, np.random.default_rng(0)
+k = mx.array(rng.normal(size=(1, 2, T, 16)).astype(np.float32))
+c.state = (k, k + 1, mx.zeros((1, 2, T), mx.uint8))
+mx.eval(c.keys, c.values)
+print("go", flush=True)
+save_a2ats_cache(PATH, [c])
+"""
+
+
+def test_kill_during_cache_save_keeps_the_old_file(tmp_path):
+    path = tmp_path / "c.safetensors"
+    cb = quiet_codebook(n_layers=1)
+    old = _cache(cb)
+    old.update_and_fetch(*_kv(np.random.default_rng(1), 1, 5))
+    save_a2ats_cache(path, [old])
+    _kill_mid_write(CACHE_CHILD.replace("PATH", repr(str(path))), path)
+    (back,) = load_a2ats_cache(path, cb)
+    assert back.offset in (5, 200_000)
+    if back.offset == 5:
+        np.testing.assert_array_equal(np.array(back.keys_and_values()[0]), np.array(old.keys_and_values()[0]))
+
+
+CODEBOOK_CHILD = """
+import a2ats_ref, numpy as np, mlx.core as mx
+from a2ats_ref.codebook import Codebook
+rng = np.random.default_rng(0)
+cb = Codebook([rng.normal(size=(2, 65536, 64)).astype(np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)])
+print("go", flush=True)
+cb.save(PATH)
+"""
+
+
+def test_kill_during_codebook_save_keeps_the_old_file(tmp_path):
+    path = tmp_path / "cb.safetensors"
+    Codebook([np.ones((2, 8, 64), np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)]).save(path)
+    _kill_mid_write(CODEBOOK_CHILD.replace("PATH", repr(str(path))), path)
+    assert Codebook.load(path).K in (8, 65536)
+
+
+# ------------------------------------------------------------------ 7. integrity of stored arrays
+
+
+def _flip_byte_in(path: Path, array_name: str) -> None:
+    """Flip one bit inside the named array's data (located through the safetensors header)."""
+    import json as _json
+
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    start, end = _json.loads(raw[8 : 8 + n])[array_name]["data_offsets"]
+    raw[8 + n + (start + end) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_bit_flip_in_a_cache_array_is_refused(tmp_path):
+    path = tmp_path / "c.safetensors"
+    cb = quiet_codebook()
+    c = _cache(cb)
+    c.update_and_fetch(*_kv(np.random.default_rng(0), 1, 7))
+    c2 = _cache(cb)
+    c2.codebook = cb.layers[1]
+    c2.update_and_fetch(*_kv(np.random.default_rng(1), 1, 7))
+    save_a2ats_cache(path, [c, c2])
+    _flip_byte_in(path, "1.values")
+    with pytest.raises(ValueError, match="'1.values' fails its SHA-256 checksum"):
+        load_a2ats_cache(path, cb)
+
+
+def test_bit_flip_in_a_codebook_array_is_refused(tmp_path):
+    path = tmp_path / "cb.safetensors"
+    cb = quiet_codebook(K=8)
+    Codebook([l.Cz for l in cb.layers], [l.L for l in cb.layers]).save(path)
+    _flip_byte_in(path, "layers.1.cz")
+    with pytest.raises(CodebookError, match="'layers.1.cz' fails its SHA-256 checksum"):
+        Codebook.load(path)
+
+
+def test_tiny_positive_L_diagonal_is_refused(tmp_path):
+    from a2ats_ref.cache import A2ATSCodebook
+
+    cb = quiet_codebook(K=8)
+    L = np.array(cb.layers[0].L)
+    L[1, 3, 3] = 1e-30
+    with pytest.raises(ValueError, match="ill-conditioned"):
+        A2ATSCodebook(cb.layers[0].Cz[None], mx.array(L)[None])
+    with pytest.raises(ValueError, match="ill-conditioned"):
+        Codebook([cb.layers[0].Cz], [L])
+
+
+def test_nonfinite_codebook_arrays_are_refused():
+    from a2ats_ref.cache import A2ATSCodebook
+
+    cb = quiet_codebook(K=8)
+    Cz = np.array(cb.layers[0].Cz)
+    Cz[0, 2, 1] = 3e38   # finite, but C = Cz L^-1 overflows
+    L = np.array(cb.layers[0].L) * 0.5
+    with pytest.raises(ValueError, match="C = Cz L\\^-1 .*finite|non-finite|NaN/inf"):
+        A2ATSCodebook(mx.array(Cz)[None], mx.array(L)[None])
