@@ -20,6 +20,8 @@ def check_decode(ctx, out, mask, inp, clause):
     n_kv = o["k_post"].shape[0]
     must, may = oracle.select_tokens_allowed(scores, n_kv_heads=n_kv, query_pos=o["query_pos"], w=o["w"],
                                              sinks=o["sinks"], topk=o["topk"], margin=ctx.margin(clause, scores))
-    ctx.assert_mask_allowed(mask, must, may, clause=clause, what="selected set")
+    ctx.assert_mask_allowed(mask, must, may, clause=clause, what="selected set",
+                            selection=dict(scores=scores, query_pos=o["query_pos"], w=o["w"], sinks=o["sinks"],
+                                           topk=o["topk"]))
     exact = oracle.retrieval_attention(o["q_post"], o["k_post"], o["v"], np.asarray(mask))
     ctx.assert_close(out, exact, clause=clause, what="output vs exact attention over the selected post-RoPE keys")

@@ -215,9 +215,16 @@ def pytest_runtest_call(item):
 
     h.inner_test = counted
     try:
-        yield
+        outcome = yield
     finally:
         h.inner_test = inner
+    if outcome.excinfo is not None and ctx.failures:   # diagnosis: only ever after a failure
+        from .diagnose import explain_failure
+
+        try:
+            explain_failure(item, ctx, outcome.excinfo[1])
+        except Exception as exc:  # noqa: BLE001 - diagnosis must never hide the failure it explains
+            item.add_report_section("call", "a2ats diagnosis", f"diagnosis failed: {type(exc).__name__}: {exc}")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -19,6 +19,7 @@ import numpy as np
 
 from a2ats_spec import oracle as _oracle
 
+from . import messages as _messages
 from .adapter import get_function
 from .tolerances import tie_margin, tolerance
 
@@ -65,6 +66,20 @@ def to_numpy(x):
     return x  # e.g. a cache object
 
 
+def _snapshot(x):
+    """A copy of a result that later calls cannot change (cache buffers are views)."""
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_snapshot(v) for v in x)
+    return x
+
+
+#: failing examples kept per test for diagnosis: the first few (generation finds them) and the last
+#: (Hypothesis's minimal example is replayed last); shrinking in between produces hundreds.
+_KEEP_FAILURES = 6
+
+
 def _describe(x) -> str:
     if isinstance(x, np.ndarray):
         return f"{x.dtype} {tuple(x.shape)}" if x.size > 8 else f"{x.dtype} {np.array2string(x, precision=6)}"
@@ -98,8 +113,11 @@ class Context:
         self.counterexample_dir = counterexample_dir or default_counterexample_dir()
         self.examples = 0
         self.calls: list[tuple[str, tuple, dict]] = []
+        self.outputs: dict[int, object] = {}   # index into calls -> the IUT's result of that call
         self.notes: dict = {}
         self.last_failure: dict | None = None
+        #: failing examples seen by this test, (clause, calls, outputs, notes): what diagnose.py reads
+        self.failures: list[dict] = []
         try:   # every property announces its dtype (bfloat16 arrays arrive as float32)
             adapter.input_dtype = dtype
         except AttributeError:
@@ -109,6 +127,7 @@ class Context:
     def begin_example(self) -> None:
         self.examples += 1
         self.calls = []
+        self.outputs = {}
         self.notes = {}
 
     def note(self, **kw) -> None:
@@ -131,8 +150,15 @@ class Context:
         """Call the IUT's ``name`` on inputs rounded to the dtype under test."""
         fn = get_function(self.iut, name)
         a, kw = self._prepare(args, kwargs)
-        self.calls.append((name, a, kw))
-        return to_numpy(fn(*a, **kw))
+        return self.logged(name, a, kw, fn)
+
+    def logged(self, name: str, args: tuple, kwargs: dict, fn):
+        """Log the call ``name(*args, **kwargs)`` (inputs as given), run ``fn`` on them, log its result."""
+        idx = len(self.calls)
+        self.calls.append((name, args, kwargs))
+        out = to_numpy(fn(*args, **kwargs))
+        self.outputs[idx] = _snapshot(out)
+        return out
 
     def oracle(self, name: str, *args, **kwargs):
         """The oracle's ``name`` on the same rounded values, in float64."""
@@ -226,7 +252,10 @@ class Context:
             self.fail(clause, f"{what}: {int((~ok).sum())} code(s) outside the allowed (near-optimal) set",
                       f"first at {i}: got {int(c[i])}, allowed {np.flatnonzero(allowed[i]).tolist()}{extra}")
 
-    def assert_mask_allowed(self, mask, must, may, *, clause: str, what: str, count=None) -> None:
+    def assert_mask_allowed(self, mask, must, may, *, clause: str, what: str, count=None,
+                            selection: dict | None = None) -> None:
+        """must ⊆ mask ⊆ may. ``selection`` (scores, query_pos, w, sinks, topk; the oracle's scores) makes the
+        message list each wrong token with its role, score and margin, and the per-head k."""
         m = np.asarray(mask)
         if m.dtype != np.bool_:
             self.fail(clause, f"{what}: mask must be bool, got {m.dtype}")
@@ -235,9 +264,13 @@ class Context:
         missing = must & ~m
         extra = m & ~may
         if missing.any() or extra.any():
-            self.fail(clause, f"{what}: selection is not a valid top-k (allowed-result set)",
-                      f"missing required tokens at {np.argwhere(missing)[:6].tolist()}; "
-                      f"selected forbidden tokens at {np.argwhere(extra)[:6].tolist()}")
+            if selection is not None:
+                details = _messages.explain_selection(m, must, may, **selection)
+            else:
+                details = (f"missing required tokens at {np.argwhere(missing)[:6].tolist()}; "
+                           f"selected forbidden tokens at {np.argwhere(extra)[:6].tolist()}")
+            self.fail(clause, f"{what}: {int(missing.sum())} required token(s) missing, {int(extra.sum())} "
+                      f"forbidden token(s) selected (allowed-result set)", details)
         if count is not None:
             got = m.sum(axis=-1)
             if np.any(got != count):
@@ -280,7 +313,16 @@ class Context:
             return "(no IUT call was made before the failure)"
         return f"python -m a2ats_conformance.repro {path} --iut {self.iut_spec}"
 
+    def _keep_failure(self, clause: str, headline: str) -> None:
+        snap = {"clause": clause, "headline": headline, "calls": list(self.calls), "outputs": dict(self.outputs),
+                "notes": dict(self.notes)}
+        if len(self.failures) > _KEEP_FAILURES:
+            self.failures[-1] = snap
+        else:
+            self.failures.append(snap)
+
     def fail(self, clause: str, headline: str, details: str = "") -> None:
+        self._keep_failure(clause, headline)
         shapes = "; ".join(
             f"{name}(" + ", ".join([_describe(a) for a in args] + [f"{k}={_describe(v)}" for k, v in kw.items()]) + ")"
             for name, args, kw in self.calls[-3:]
@@ -288,8 +330,9 @@ class Context:
         path = self.save_counterexample()
         case = ", ".join(f"{k}={_jsonable(v)!r}" for k, v in self.notes.items() if not isinstance(v, np.ndarray))
         msg = (
-            f"[{clause}] {headline}\n"
+            f"error[{clause}]: {headline}\n"
             + (f"  {details}\n" if details else "")
+            + f"  note: {_messages.parameter_note(self)}\n"
             + f"  IUT: {getattr(self.iut, 'name', '?')} {getattr(self.iut, 'version', '?')} ({self.iut_spec}), dtype {self.dtype}\n"
             + f"  case: {case or '-'}\n"
             + f"  calls: {shapes or '-'}\n"

@@ -67,8 +67,7 @@ class CacheCalls:
             return attr
 
         def run(*a, **kw):
-            self.ctx.calls.append((f"cache{self.index}.{name}", a, kw))
-            out = attr(*a, **kw)
+            out = self.ctx.logged(f"cache{self.index}.{name}", a, kw, attr)
             return _Loaded(out) if name == "load" else out
         return run
 

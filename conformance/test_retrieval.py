@@ -62,7 +62,9 @@ def _select_and_check(ctx, case, clause):
     mask = ctx.call("select_tokens", s, **kw)
     so = _f64(ctx, s)
     must, may = oracle.select_tokens_allowed(so, margin=ctx.margin(clause, so), **kw)
-    ctx.assert_mask_allowed(mask, must, may, clause=clause, what="select_tokens mask (must ⊆ mask ⊆ may)")
+    ctx.assert_mask_allowed(mask, must, may, clause=clause, what="select_tokens mask (must ⊆ mask ⊆ may)",
+                            selection=dict(scores=so, query_pos=kw["query_pos"], w=kw["w"], sinks=kw["sinks"],
+                                           topk=kw["topk"]))
     return np.asarray(mask)
 
 

@@ -7,7 +7,29 @@ import pytest
 
 from a2ats_conformance.cli import main
 from a2ats_conformance.mutants import MUTANTS
+from a2ats_conformance.deviations import by_id
 from a2ats_conformance.repro import load_counterexample, replay
+
+#: mutant -> the known deviation (conformance/deviations.py) it embodies: its failing clause must name it
+MUTANT_CAUSES = {
+    "DerotateScalarOffset": "derotate-scalar-position",
+    "WindowOffByOne": "window-inclusive",
+    "BTiedToW": "b-tied-to-w",
+    "FarKeysRotated": "codes-from-post-rope-keys",
+    "LTransposed": "l-transposed",
+    "HNotPooled": "h-one-head",
+    "CosineBlend": "cosine-blend",
+    "TopkCeil": "topk-rounded-up",
+    "UnionMissing": "gqa-one-head",
+    "CompressionOnly": "quantized-keys-in-attention",
+    "TrimForgetsPositions": "trim-keeps-position-counter",
+}
+
+
+def test_every_mutant_has_a_known_cause():
+    assert sorted(MUTANT_CAUSES) == sorted(MUTANTS)
+    for dev in MUTANT_CAUSES.values():
+        by_id(dev)
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
@@ -28,3 +50,5 @@ def test_mutant_is_rejected_on_its_clause(tmp_path, name):
     assert calls and meta["dtype"] == "float32" and meta["iut"].endswith(name)
     rows = replay(cex["npz"], out=io.StringIO())                # the repro command's engine runs
     assert [r["fn"] for r in rows] == [c[0] for c in calls]
+    causes = cex.get("likely_causes")                          # diagnosis names the mutant's own bug first
+    assert causes and causes[0]["id"] == MUTANT_CAUSES[name], (name, causes)

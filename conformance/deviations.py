@@ -1,0 +1,556 @@
+"""Known deviations (issue 9, item 2): the bugs ports are known to have, each written as a variant of
+the float64 oracle, so that a failing example can be replayed through it (diagnose.py).
+
+``Model`` is the oracle's algorithm composed from small hooks (which RoPE layout, which far position,
+where the window ends, how many tokens a head keeps, which query scores tokens, ...); every adapter
+callable and a NumPy cache are built from those hooks, so replacing one hook changes every function
+that depends on it, as the bug would in a port. The faithful ``Model()`` equals the oracle (checked in
+tests/test_diagnosis.py). A ``Deviation`` is a stable id, the sentence a port author reads, the
+callables it can change, and one or more ``Model`` subclasses (its variants: e.g. float16 or bfloat16).
+
+The ids are stable; tests and unfaithful test ports refer to them (table appended from DEVIATIONS):
+
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from a2ats_spec import oracle as _o
+
+__all__ = ["Deviation", "DEVIATIONS", "Model", "ModelCache", "by_id"]
+
+_ROPE = {"rope_apply", "rope_invert"}
+_FAR = {"wrope_scores", "far_query", "far_keys"}
+_SELECT = {"select_tokens", "decode_step", "make_cache"}
+_DECODE = {"decode_step", "make_cache"}
+_CODES = {"far_keys", "assign_z", "z_transform", "make_cache"}
+
+
+def _f(x):
+    return np.asarray(x, dtype=np.float64)
+
+
+def _round(x, dtype: str):
+    """Round float64 values through float16 or bfloat16 (round to nearest even)."""
+    x = _f(x)
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float64)
+    if dtype == "bfloat16":
+        b = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.astype(np.uint32).view(np.float32).astype(np.float64)
+    raise ValueError(f"dtype: expected 'float16' or 'bfloat16', got {dtype!r}")
+
+
+class Model:
+    """The oracle's A2ATS, composed from hooks (faithful by default). Adapter callables are methods."""
+
+    # ------------------------------------------------------------------ hooks (the faithful rule each)
+    def layout(self, traditional):           # ROPE-APPLY: which pairs rotate together
+        return bool(traditional)
+
+    def pos(self, positions):                # RoPE positions as the angle sees them
+        return _f(positions)
+
+    def far_b(self, b, w=None):              # EQ-11/12: the far position
+        return b
+
+    def is_near(self, dist, w):              # EQ-11: i - j < w is near
+        return dist < w
+
+    def is_sink(self, j, sinks):             # RET-SELECT: sinks are forced
+        return j < sinks
+
+    def topk_length(self, i, T, capacity):   # RET-TOPK: a query at i sees i + 1 tokens
+        return i + 1
+
+    def count(self, n, topk, n_candidates):  # RET-TOPK: int() of the fraction
+        return _o.topk_count(n, topk, n_candidates)
+
+    def voters(self, G):                     # RET-SELECT: every head of the group votes (union)
+        return range(G)
+
+    def pooled_heads(self, G):               # EQ-10: H pools every head of the group
+        return range(G)
+
+    def normalise(self, H):                  # EQ-10: RMS normalisation
+        return H / math.sqrt(float(np.mean(H ** 2)))
+
+    def z(self, k, L):                       # EQ-16: z = k L
+        return _f(k) @ _f(L)
+
+    def far_key(self, k_post, positions, inv, traditional):   # EQ-12: de-rotate each key at its own position
+        return self._rope(k_post, positions, inv, traditional, invert=True)
+
+    def lut(self, q_b, C, scale):            # RET-LUT
+        return _o.lut_scores(q_b, C, scale=scale)
+
+    def duplicates(self):                    # RET-ATTN: the selected set is a set
+        return False
+
+    def code_keys(self, k_pre, cfg):         # CACHE-FAR-CODES: Eq. 16 assignment of the pre-RoPE key
+        return np.stack([self.assign_z(k_pre[g], cfg["Cz"][g], cfg["L"][g]) for g in range(k_pre.shape[0])])
+
+    def attention_keys(self, k_post, codes, C, inv, traditional):   # RET-DECODE: exact keys
+        return _f(k_post)
+
+    def attention_values(self, v):           # RET-DECODE: exact values
+        return _f(v)
+
+    def token_scores_for(self, q_post, k_post, codes, C, *, query_pos, b, w, inv, traditional, scale):
+        """RET-LUT: LUT of q R_b (from the post-RoPE query at query_pos) indexed by the codes."""
+        q_b = self.far_query(q_post, b=self.far_b(b, w), inv_freqs=inv, traditional=traditional,
+                             positions=query_pos)
+        return _o.token_scores(self.lut(q_b, C, scale), np.asarray(codes))
+
+    # ------------------------------------------------------------------ adapter callables
+    def _rope(self, x, positions, inv, traditional, invert=False):
+        fn = _o.rope_invert if invert else _o.rope_apply
+        return fn(_f(x), self.pos(positions), _f(inv), traditional=self.layout(traditional))
+
+    def rope_inv_freqs(self, *a, **kw):
+        return _o.rope_inv_freqs(*a, **kw)
+
+    def rope_apply(self, x, positions, inv_freqs, *, traditional):
+        return self._rope(x, positions, inv_freqs, traditional)
+
+    def rope_invert(self, x, positions, inv_freqs, *, traditional):
+        return self._rope(x, positions, inv_freqs, traditional, invert=True)
+
+    def query_moment(self, queries, *, n_kv_heads, b, inv_freqs, traditional, ridge=1e-6):
+        q = _f(queries)
+        n_q, N, d = q.shape
+        G = n_q // n_kv_heads
+        qb = _o.rope_apply(q, self.far_b(b), _f(inv_freqs), traditional=self.layout(traditional))
+        out = np.empty((n_kv_heads, d, d))
+        for g in range(n_kv_heads):
+            Q = np.concatenate([qb[g * G + h] for h in self.pooled_heads(G)])
+            out[g] = self.normalise(Q.T @ Q / Q.shape[0]) + ridge * np.eye(d)
+        return out
+
+    def wrope_scores(self, q, k, *, w, b, inv_freqs, traditional, q_positions=None, k_positions=None):
+        q, k = _f(q), _f(k)
+        pq = np.arange(q.shape[-2]) if q_positions is None else _f(q_positions)
+        pk = np.arange(k.shape[-2]) if k_positions is None else _f(k_positions)
+        near = self._rope(q, pq, inv_freqs, traditional) @ np.swapaxes(self._rope(k, pk, inv_freqs, traditional), -1, -2)
+        far = self.far_scores(q, k, pq, pk, b=b, w=w, inv=inv_freqs, traditional=traditional)
+        return np.where(self.is_near(pq[:, None] - pk[None, :], w), near, far)
+
+    def far_scores(self, q, k, pq, pk, *, b, w, inv, traditional):
+        qb = _o.rope_apply(q, self.far_b(b, w), _f(inv), traditional=self.layout(traditional))
+        return qb @ np.swapaxes(k, -1, -2)
+
+    def far_keys(self, k_post, positions, inv_freqs, *, traditional):
+        return self.far_key(k_post, positions, inv_freqs, traditional)
+
+    def far_query(self, q, *, b, inv_freqs, traditional, positions=None):
+        q = _f(q)
+        b = self.far_b(b)
+        if positions is None:
+            return _o.rope_apply(q, b, _f(inv_freqs), traditional=self.layout(traditional))
+        return _o.rope_apply(q, b - self.pos(positions), _f(inv_freqs), traditional=self.layout(traditional))
+
+    def score_error(self, k, c, H):
+        return _o.score_error(k, c, H)
+
+    def assign(self, k, C, H):
+        return _o.assign(k, C, H)
+
+    def cholesky(self, H):
+        return _o.cholesky(H)
+
+    def z_transform(self, k, L):
+        return self.z(k, L)
+
+    def assign_z(self, k, Cz, L):
+        zk = self.z(k, L)
+        d2 = np.sum((zk[..., None, :] - _f(Cz)) ** 2, axis=-1)
+        return np.argmin(d2, axis=-1).astype(np.int64)
+
+    def back_transform(self, Cz, L):
+        return _o.back_transform(Cz, L)
+
+    def lut_scores(self, q_b, C, *, scale=None):
+        return self.lut(_f(q_b), _f(C), scale)
+
+    def token_scores(self, lut, codes):
+        return _o.token_scores(lut, codes)
+
+    def topk_count(self, T, topk, n_candidates=None):
+        return self.count(T, topk, n_candidates)
+
+    def select(self, scores, *, n_kv_heads, query_pos, w, sinks, topk, capacity=None):
+        """RET-SELECT -> (mask (..., n_kv, T) bool, multiplicity (..., n_kv, T): copies in the softmax)."""
+        s = _f(scores)
+        T, n_q = s.shape[-1], s.shape[-2]
+        G = n_q // n_kv_heads
+        i = int(query_pos)
+        j = np.arange(T)
+        forced = (j <= i) & (self.is_sink(j, sinks) | ((i - j >= 0) & self.is_near(i - j, w)))
+        pool = (j <= i) if self.duplicates() else ((j <= i) & ~forced)
+        idx = np.flatnonzero(pool)
+        k = self.count(self.topk_length(i, T, capacity or T), topk, int(idx.size))
+        flat = s.reshape((-1, n_q, T))
+        picked = np.zeros((flat.shape[0], n_kv_heads, T), dtype=bool)
+        for n in range(flat.shape[0]):
+            for g in range(n_kv_heads):
+                for h in self.voters(G):
+                    order = np.argsort(-flat[n, g * G + h, idx], kind="stable")
+                    picked[n, g, idx[order[:k]]] = True
+        picked = picked.reshape(s.shape[:-2] + (n_kv_heads, T))
+        mult = picked.astype(np.int64) + forced
+        if not self.duplicates():
+            mult = np.minimum(mult, 1)
+        return mult > 0, mult
+
+    def select_tokens(self, scores, *, n_kv_heads, query_pos, w, sinks, topk):
+        return self.select(scores, n_kv_heads=n_kv_heads, query_pos=query_pos, w=w, sinks=sinks, topk=topk)[0]
+
+    def retrieval_attention(self, q, k, v, mask, *, scale=None):
+        return _o.retrieval_attention(q, k, v, mask, scale=scale)
+
+    def _attend(self, q, k, v, mult, scale):
+        """Softmax attention where token t counts mult[g, t] times (1 for a set)."""
+        q, k, v = _f(q), _f(k), _f(v)
+        n_q, d = q.shape
+        G = n_q // k.shape[0]
+        s = 1.0 / math.sqrt(d) if scale is None else scale
+        out = np.empty((n_q, v.shape[-1]))
+        for h in range(n_q):
+            g = h // G
+            logits = s * k[g] @ q[h]
+            keep = mult[g] > 0
+            x = np.where(keep, logits - logits[keep].max(), -np.inf)
+            p = mult[g] * np.exp(x)
+            out[h] = p / p.sum() @ v[g]
+        return out
+
+    def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
+                    scale=None, return_mask=False, capacity=None):
+        q_post, k_post = _f(q_post), _f(k_post)
+        scores = self.token_scores_for(q_post, k_post, codes, _f(C), query_pos=query_pos, b=b, w=w, inv=inv_freqs,
+                                       traditional=traditional, scale=scale)
+        mask, mult = self.select(scores, n_kv_heads=k_post.shape[-3], query_pos=query_pos, w=w, sinks=sinks,
+                                 topk=topk, capacity=capacity)
+        keys = self.attention_keys(k_post, codes, _f(C), inv_freqs, traditional)
+        out = self._attend(q_post, keys, self.attention_values(v), mult, scale)
+        return (out, mask) if return_mask else out
+
+    def prefill_attention(self, q, k, v, *, scale=None):
+        return _o.prefill_attention(q, k, v, scale=scale)
+
+    def code_dtype(self, K):
+        return _o.code_dtype(K)
+
+    def kmeanspp_init(self, *a, **kw):
+        return _o.kmeanspp_init(*a, **kw)
+
+    def lloyd_step(self, *a, **kw):
+        return _o.lloyd_step(*a, **kw)
+
+    def kmeans(self, *a, **kw):
+        return _o.kmeans(*a, **kw)
+
+    def make_cache(self, config):
+        return ModelCache(config, self)
+
+
+class ModelCache:
+    """The adapter cache protocol (README-ADAPTER.md) on a Model: codes at append, decode via the
+    Model's decode_step. Trim hooks: ``trim_codes`` (drop the trimmed codes) and ``trim_counter``
+    (roll back the position counter used to code later tokens)."""
+
+    trim_codes = True
+    trim_counter = True
+    step = 256   # buffer growth of the mlx-lm KV cache: the capacity a port may count top-k over
+
+    def __init__(self, config, model: Model):
+        self.m = model
+        self.cfg = {k: (_f(v) if isinstance(v, np.ndarray) else v) for k, v in config.items()}
+        n_kv, d = self.cfg["n_kv_heads"], self.cfg["head_dim"]
+        self.keys = np.zeros((n_kv, 0, d))
+        self.values = np.zeros((n_kv, 0, d))
+        self._codes = np.zeros((n_kv, 0), np.int64)
+        self._stale = np.zeros((n_kv, 0), np.int64)   # codes left behind by a trim that keeps them
+        self.counter = 0                               # next position used for coding
+
+    @property
+    def offset(self) -> int:
+        return self.keys.shape[1]
+
+    def append(self, keys_post, values):
+        k, v = _f(keys_post), _f(values)
+        if self.values.shape[1] == 0:
+            self.values = np.zeros((k.shape[0], 0, v.shape[-1]))
+        t, start = k.shape[1], self.offset
+        cfg = self.cfg
+        coding_pos = np.arange(self.counter, self.counter + t)
+        k_pre = self.m.far_key(k, coding_pos, cfg["inv_freqs"], cfg["traditional"])
+        codes = np.asarray(self.m.code_keys(k_pre, cfg), np.int64)
+        keep = min(t, max(0, self._stale.shape[1] - start))
+        if keep:
+            codes[:, :keep] = self._stale[:, start:start + keep]
+        self.keys = np.concatenate([self.keys, k], axis=1)
+        self.values = np.concatenate([self.values, self.m.attention_values(v)], axis=1)
+        self._codes = np.concatenate([self._codes, codes], axis=1)
+        self.counter += t
+
+    def codes(self):
+        return self._codes.astype(_o.code_dtype(self.cfg["Cz"].shape[1]))
+
+    def positions(self):
+        return np.arange(self.offset)
+
+    def keys_values(self):
+        return self.keys, self.values
+
+    def decode(self, q_post):
+        c = self.cfg
+        cap = -(-self.offset // self.step) * self.step
+        return self.m.decode_step(q_post, self.keys, self.values, self._codes, c["C"], query_pos=self.offset - 1,
+                                  b=c["b"], w=c["w"], sinks=c["sinks"], topk=c["topk"], inv_freqs=c["inv_freqs"],
+                                  traditional=c["traditional"], scale=c.get("scale"), return_mask=True, capacity=cap)
+
+    def prefill(self, q_post):
+        return _o.prefill_attention(_f(q_post), self.keys, self.values, scale=self.cfg.get("scale"))
+
+    def trim(self, n):
+        n = min(int(n), self.offset)
+        end = self.offset - n
+        if not self.trim_codes:
+            self._stale = np.concatenate([self._codes, self._stale[:, self._codes.shape[1]:]], axis=1)
+        self.keys, self.values, self._codes = self.keys[:, :end], self.values[:, :end], self._codes[:, :end]
+        if self.trim_counter:
+            self.counter = end
+        return n
+
+    def save(self, path):
+        self._saved = (self.keys.copy(), self.values.copy(), self._codes.copy(), self.counter)
+
+    def load(self, path):
+        other = type(self)(self.cfg, self.m)
+        other.keys, other.values, other._codes, other.counter = self._saved
+        return other
+
+
+# ---------------------------------------------------------------------------------------- deviations
+
+@dataclass(frozen=True)
+class Deviation:
+    """A known deviation: stable ``id``, the ``cause`` a port author reads, the adapter callables it can
+    change (``applies``: names, ``make_cache`` for the whole cache), and its variants (Model classes)."""
+
+    id: str
+    cause: str
+    applies: frozenset
+    variants: tuple
+
+    def models(self):
+        return [v() for v in self.variants]
+
+    def describe(self, examples=()) -> str:
+        """The cause, specialised to the failing examples where that reads better (RoPE layout)."""
+        if self.id == "rope-layout-swapped":
+            flags = {bool(e["notes"].get("traditional", _traditional_of(e))) for e in examples}
+            flags.discard(None)
+            if flags == {True}:
+                return "RoPE pairs (x[i], x[i+d/2]) instead of (x[2i], x[2i+1]) (traditional=True ignored)"
+            if flags == {False}:
+                return "RoPE pairs (x[2i], x[2i+1]) instead of (x[i], x[i+d/2]) (traditional=False ignored)"
+        return self.cause
+
+
+def _traditional_of(example):
+    for _, args, kw in example["calls"]:
+        if "traditional" in kw:
+            return kw["traditional"]
+        if args and isinstance(args[0], dict) and "traditional" in args[0]:
+            return args[0]["traditional"]
+    return None
+
+
+def _model(name, doc, **hooks):
+    return type(name, (Model,), dict(hooks, __doc__=doc))
+
+
+def _cache_model(name, doc, **attrs):
+    cache = type(name + "Cache", (ModelCache,), attrs)
+    return type(name, (Model,), {"__doc__": doc, "make_cache": lambda self, config: cache(config, self)})
+
+
+def _blend_codes(k_pre, C, norm_plus_one):
+    """½·cos(k, c_j) − ½·‖k − c_j‖² / (m + max_j ‖k − c_j‖²), m = 1 or 0; argmax over j."""
+    k, C = _f(k_pre), _f(C)
+    cos = (k / (np.linalg.norm(k, axis=-1, keepdims=True) + 1e-12)) @ \
+          (C / (np.linalg.norm(C, axis=-1, keepdims=True) + 1e-12)).T
+    d2 = np.sum((k[..., None, :] - C) ** 2, axis=-1)
+    den = (1.0 if norm_plus_one else 0.0) + d2.max(axis=-1, keepdims=True)
+    return np.argmax(0.5 * cos - 0.5 * d2 / np.where(den > 0, den, 1.0), axis=-1).astype(np.int64)
+
+
+def _blend_model(name, plus_one):
+    def assign(self, k, C, H):
+        return _blend_codes(k, C, plus_one)
+
+    def code_keys(self, k_pre, cfg):
+        return np.stack([_blend_codes(k_pre[g], cfg["C"][g], plus_one) for g in range(k_pre.shape[0])])
+    return _model(name, "cosine blend", assign=assign, code_keys=code_keys)
+
+
+def _lowp(name, dtype, **which):
+    hooks = {}
+    if "pos" in which:
+        hooks["pos"] = lambda self, p: _round(p, dtype)
+    if "lut" in which:
+        if which["lut"] == "inputs":
+            hooks["lut"] = lambda self, q_b, C, scale: _round(_o.lut_scores(_round(q_b, dtype), _round(C, dtype),
+                                                                            scale=scale), dtype)
+        else:
+            hooks["lut"] = lambda self, q_b, C, scale: _round(_o.lut_scores(q_b, C, scale=scale), dtype)
+    if "values" in which:
+        hooks["attention_values"] = lambda self, v: _round(v, dtype)
+    return _model(name, f"{dtype} {sorted(which)}", **hooks)
+
+
+def _int8_values(self, v):
+    v = _f(v)
+    s = np.max(np.abs(v), axis=-1, keepdims=True) / 127.0
+    s = np.where(s > 0, s, 1.0)
+    return np.round(v / s) * s
+
+
+def _proxy_scores(self, q_post, k_post, codes, C, *, query_pos, b, w, inv, traditional, scale):
+    """Each query head scored with its KV head's key at query_pos, standing in for the query."""
+    G = q_post.shape[-2] // k_post.shape[-3]
+    proxy = np.repeat(k_post[..., int(query_pos), :], G, axis=-2)
+    return Model.token_scores_for(self, proxy, k_post, codes, C, query_pos=query_pos, b=b, w=w, inv=inv,
+                                  traditional=traditional, scale=scale)
+
+
+def _own_position_scores(self, q_post, k_post, codes, C, *, query_pos, b, w, inv, traditional, scale):
+    """score[h, t] = scale · q_post[h] · (C[code_t] R_t): the codeword re-rotated at the token's position."""
+    c = np.asarray(codes).astype(np.int64)
+    n_kv, T = c.shape[-2:]
+    G = q_post.shape[-2] // n_kv
+    s = 1.0 / math.sqrt(q_post.shape[-1]) if scale is None else scale
+    out = np.empty(q_post.shape[:-1] + (T,))
+    for g in range(n_kv):
+        kq = self._rope(C[g][c[g]], np.arange(T), inv, traditional)
+        for h in range(g * G, (g + 1) * G):
+            out[..., h, :] = s * kq @ q_post[..., h, :]
+    return out
+
+
+def _own_position_far(self, q, k, pq, pk, *, b, w, inv, traditional):
+    return self._rope(q, pq, inv, traditional) @ np.swapaxes(self._rope(k, pk, inv, traditional), -1, -2)
+
+
+def _quantized_keys(self, k_post, codes, C, inv, traditional):
+    c = np.asarray(codes).astype(np.int64)
+    Cq = C[np.arange(c.shape[-2])[:, None], c]
+    return self._rope(Cq, np.arange(c.shape[-1]), inv, traditional)
+
+
+def _scalar_far_key(self, k_post, positions, inv, traditional):
+    p = _f(positions)
+    p0 = np.full(p.shape, p.reshape(-1)[0]) if p.size else p
+    return self._rope(k_post, p0, inv, traditional, invert=True)
+
+
+def _dev(id_, cause, applies, *variants):
+    return Deviation(id_, cause, frozenset(applies), tuple(variants))
+
+
+DEVIATIONS: tuple[Deviation, ...] = (
+    _dev("rope-layout-swapped",
+         "RoPE layout swapped: pairs (x[i], x[i+d/2]) and (x[2i], x[2i+1]) exchanged (the traditional flag inverted)",
+         _ROPE | _FAR | {"query_moment"} | _DECODE,
+         _model("LayoutSwapped", "traditional inverted", layout=lambda self, t: not bool(t))),
+    _dev("b-missing", "R_b missing: far scores and H use b = 0 (no rotation) instead of the far position b",
+         _FAR - {"far_keys"} | {"query_moment"} | _DECODE,
+         _model("BMissing", "b = 0", far_b=lambda self, b, w=None: 0)),
+    _dev("b-tied-to-w", "far position tied to the window: R_w used where the spec says R_b",
+         {"wrope_scores"} | _DECODE,
+         _model("BTiedToW", "b = w", far_b=lambda self, b, w=None: b if w is None else w)),
+    _dev("window-inclusive", "window boundary off by one: i - j <= w counted as near/window (spec: i - j < w)",
+         {"wrope_scores"} | _SELECT,
+         _model("WindowInclusive", "<=", is_near=lambda self, d, w: d <= w)),
+    _dev("sinks-not-forced", "sinks not forced: the first `sinks` tokens compete as top-k candidates instead of "
+         "always being kept", _SELECT,
+         _model("SinksNotForced", "no sinks", is_sink=lambda self, j, sinks: np.zeros(np.shape(j), bool))),
+    _dev("gqa-one-head", "no GQA union: each KV head keeps the top-k of one query head of its group, not the "
+         "union over the group's heads", _SELECT,
+         _model("OneHeadVotes", "first head votes", voters=lambda self, G: range(1))),
+    _dev("h-one-head", "H from one query head per GQA group, not pooled over the group's heads", {"query_moment"},
+         _model("HOneHead", "first head pooled", pooled_heads=lambda self, G: range(1))),
+    _dev("topk-over-T", "top-k count int(topk·T) over the whole score row (T tokens) instead of the i + 1 tokens "
+         "the query sees", _SELECT,
+         _model("TopkOverT", "over T", topk_length=lambda self, i, T, cap: T)),
+    _dev("topk-over-buffer", "top-k count over the cache's allocated buffer (a multiple of 256 tokens) instead of "
+         "the i + 1 tokens the query sees", {"make_cache"},
+         _model("TopkOverBuffer", "over capacity", topk_length=lambda self, i, T, cap: cap)),
+    _dev("topk-rounded-up", "top-k count rounded up, ceil(topk·n), instead of the authors' int() (floor)",
+         {"topk_count"} | _SELECT,
+         _model("TopkCeil", "ceil", count=lambda self, n, topk, nc: (
+             _o.topk_count(n, topk, nc) if isinstance(topk, (int, np.integer)) else
+             (math.ceil(float(topk) * n) if nc is None else min(math.ceil(float(topk) * n), nc))))),
+    _dev("duplicate-tokens", "duplicate tokens in the softmax: a sink/window token also picked by top-k is "
+         "attended twice (top-k not restricted to the non-forced candidates, no de-duplication)", _DECODE,
+         _model("Duplicates", "multiset", duplicates=lambda self: True)),
+    _dev("l-transposed", "z-space transform with L transposed (z = k Lᵀ instead of k L)",
+         {"z_transform", "assign_z", "make_cache"},
+         _model("LTransposed", "k L^T", z=lambda self, k, L: _f(k) @ np.swapaxes(_f(L), -1, -2))),
+    _dev("h-not-normalised", "H not RMS-normalised (H / sqrt(mean(H²)) missing)", {"query_moment"},
+         _model("HRaw", "no normalisation", normalise=lambda self, H: H)),
+    _dev("cosine-blend", "cosine-blend assignment (½·cos(k, c) − ½·‖k − c‖² / max‖k − c‖²) instead of Eq. 14's "
+         "H-weighted distance", {"assign", "make_cache"},
+         _blend_model("CosineBlend1", True), _blend_model("CosineBlend0", False)),
+    _dev("codes-from-post-rope-keys", "far keys and codes from the post-RoPE key: it is not de-rotated to its "
+         "pre-RoPE value at its own position (EQ-12)", {"far_keys", "make_cache"},
+         _model("PostRopeKeys", "no de-rotation", far_key=lambda self, k, p, inv, t: _f(k))),
+    _dev("derotate-scalar-position", "de-rotation with one scalar position: a block of keys de-rotated by the first "
+         "token's position instead of each at its own", {"far_keys", "make_cache"},
+         _model("ScalarDerotation", "p0", far_key=_scalar_far_key)),
+    _dev("quantized-keys-in-attention", "quantized keys C[code] (re-rotated) fed to attention: compression only, "
+         "not exact attention over the retrieved tokens", _DECODE,
+         _model("QuantizedKeys", "C[code] R_t", attention_keys=_quantized_keys)),
+    _dev("key-as-proxy-query", "the incoming key used as a proxy query: tokens scored with the newest key instead "
+         "of the query", _DECODE,
+         _model("ProxyQuery", "key as query", token_scores_for=_proxy_scores)),
+    _dev("values-quantized", "values quantized (float16, bfloat16 or 8-bit per token) before attention",
+         _DECODE,
+         _lowp("ValuesF16", "float16", values=1), _lowp("ValuesBF16", "bfloat16", values=1),
+         _model("ValuesInt8", "int8 absmax per token", attention_values=_int8_values)),
+    _dev("far-logits-at-own-position", "far logits computed at the token's own position (plain RoPE, "
+         "q R_{i-j} k) instead of with R_b", {"wrope_scores"} | _DECODE,
+         _model("OwnPosition", "R_{i-j}", token_scores_for=_own_position_scores, far_scores=_own_position_far)),
+    _dev("float16-lut", "LUT (q R_b · C) held in float16 or bfloat16: near-tied scores reorder", {"lut_scores"} | _DECODE,
+         _lowp("LutF16", "float16", lut="out"), _lowp("LutF16In", "float16", lut="inputs"),
+         _lowp("LutBF16", "bfloat16", lut="out")),
+    _dev("positions-low-precision", "positions rounded through float16 or bfloat16 before the RoPE angle",
+         _ROPE | _FAR | _DECODE,
+         _lowp("PosF16", "float16", pos=1), _lowp("PosBF16", "bfloat16", pos=1)),
+    _dev("trim-keeps-codes", "trim() drops keys, values and offset but keeps the trimmed tokens' codes for the "
+         "tokens written in their place", {"make_cache"},
+         _cache_model("TrimKeepsCodes", "stale codes", trim_codes=False)),
+    _dev("trim-keeps-position-counter", "trim() does not roll back the position counter used to de-rotate (and so "
+         "code) later tokens", {"make_cache"},
+         _cache_model("TrimKeepsCounter", "counter not rolled back", trim_counter=False)),
+)
+
+_BY_ID = {d.id: d for d in DEVIATIONS}
+assert len(_BY_ID) == len(DEVIATIONS), "deviation ids must be unique"
+
+
+def by_id(id_: str) -> Deviation:
+    try:
+        return _BY_ID[id_]
+    except KeyError:
+        raise ValueError(f"unknown deviation id {id_!r}; known: {', '.join(_BY_ID)}") from None
+
+
+__doc__ = (__doc__ or "") + "\n".join(f"- ``{d.id}``: {d.cause}" for d in DEVIATIONS) + "\n"

@@ -1,0 +1,182 @@
+"""Likely cause of a failing clause (issue 9, item 2): replay its failing examples through every known
+deviation (deviations.py) and report each one that explains them.
+
+A failing example is the IUT's calls and outputs as Context recorded them. For one deviation variant,
+each call it applies to is re-run on the deviant model and on the faithful model (the oracle), in
+float64 on the same rounded inputs; cache calls replay the whole operation sequence on a model cache.
+Outputs are compared as the properties compare them: floats with the clause's tolerance, codes, masks
+and counts exactly. The example *matches* the deviation when some call's port output equals the
+deviant's and not the oracle's, and every call it applies to equals one of the two. Diagnosis runs
+only after a failure; a passing run never imports this module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .deviations import DEVIATIONS, Deviation, Model
+from .tolerances import tolerance
+
+__all__ = ["diagnose", "help_lines", "replay"]
+
+_SKIP = object()   # a call whose result is not compared (cache objects, append's None)
+_ERR = object()    # the model raised: it cannot explain that call
+
+
+def _up(x):
+    if isinstance(x, np.ndarray) and x.dtype.kind == "f":
+        return x.astype(np.float64)
+    if isinstance(x, dict):
+        return {k: _up(v) for k, v in x.items()}
+    return x
+
+
+def replay(model: Model, calls) -> dict[int, object]:
+    """Outputs of ``model`` on the recorded calls: index -> result (_SKIP / _ERR where none)."""
+    outs: dict[int, object] = {}
+    caches: list = []
+    for idx, (name, args, kwargs) in enumerate(calls):
+        a = tuple(_up(x) for x in args)
+        kw = {k: _up(v) for k, v in kwargs.items()}
+        try:
+            if name == "make_cache":
+                caches.append(model.make_cache(*a, **kw))
+                outs[idx] = _SKIP
+            elif name.startswith("cache") and "." in name:
+                ci, meth = name[len("cache"):].split(".", 1)
+                res = getattr(caches[int(ci)], meth)(*a, **kw)
+                outs[idx] = _SKIP if meth in ("load", "save", "append") else res
+            else:
+                outs[idx] = getattr(model, name)(*a, **kw)
+        except Exception:  # noqa: BLE001 - a deviant that cannot run this call does not explain it
+            outs[idx] = _ERR
+    return outs
+
+
+def _same(port, other, rtol: float, atol: float):
+    """True / False, or None when the result is not comparable (not an output the suite judges)."""
+    if other is _SKIP or port is None:
+        return None
+    if other is _ERR:
+        return False
+    if isinstance(port, (tuple, list)):
+        if not isinstance(other, (tuple, list)) or len(other) != len(port):
+            return False
+        parts = [_same(p, o, rtol, atol) for p, o in zip(port, other)]
+        parts = [p for p in parts if p is not None]
+        return all(parts) if parts else None
+    if isinstance(port, (np.dtype, type)):
+        try:
+            return np.dtype(port) == np.dtype(other)
+        except TypeError:
+            return False
+    try:
+        a, b = np.asarray(port), np.asarray(other)
+    except Exception:  # noqa: BLE001
+        return None
+    if a.dtype.kind not in "biuf" or b.dtype.kind not in "biuf":
+        return None
+    if a.shape != b.shape:
+        return False
+    if a.dtype.kind in "biu" and b.dtype.kind in "biu":
+        return bool(np.array_equal(a.astype(np.int64), b.astype(np.int64)))
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return bool(np.all(np.isfinite(a)) and np.all(np.abs(a - b) <= atol + rtol * np.abs(b)))
+
+
+def _applies(dev: Deviation, name: str) -> bool:
+    return name in dev.applies or (name.startswith("cache") and "make_cache" in dev.applies)
+
+
+def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict) -> bool:
+    calls, port = example["calls"], example["outputs"]
+    idx = [i for i, (name, _, _) in enumerate(calls) if i in port and _applies(dev, name)]
+    if not idx:
+        return False
+    rtol, atol = tolerance(dtype, example["clause"])
+    for model in dev.models():
+        deviant = replay(model, calls)
+        explained, consistent = False, True
+        for i in idx:
+            d = _same(port[i], deviant[i], rtol, atol)
+            o = _same(port[i], faithful[i], rtol, atol)
+            if d is None:
+                continue
+            if d and not o:
+                explained = True
+            elif not d and not o:
+                consistent = False
+                break
+        if explained and consistent:
+            return True
+    return False
+
+
+def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS) -> list[dict]:
+    """[{id, cause, matched, of}] for every deviation matching at least one failing example, best first.
+
+    ``examples``: Context failure snapshots ({clause, calls, outputs, notes}); ``of`` counts those with
+    at least one recorded IUT output."""
+    usable = [e for e in examples if e.get("outputs")]
+    faithful = [replay(Model(), e["calls"]) for e in usable]
+    found = []
+    for dev in deviations:
+        hits = [e for e, f in zip(usable, faithful) if _matches(dev, e, dtype, f)]
+        if hits:
+            found.append({"id": dev.id, "cause": dev.describe(hits), "matched": len(hits), "of": len(usable)})
+    found.sort(key=lambda r: -r["matched"])   # stable: ties keep the library's order
+    return found
+
+
+def help_lines(causes: list[dict], n_examples: int, limit: int = 3) -> list[str]:
+    if not causes:
+        return [f"help: no known cause matched ({n_examples} failing example(s) replayed through "
+                f"{len(DEVIATIONS)} known deviations)"]
+    return [f"help: likely cause: {c['cause']}, matches {c['matched']}/{c['of']} failing examples [{c['id']}]"
+            for c in causes[:limit]]
+
+
+def _jsonable_notes(notes: dict) -> dict:
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in notes.items()
+            if isinstance(v, (int, float, str, bool, list, tuple, np.ndarray, np.integer, np.floating)) or v is None}
+
+
+def explain_failure(item, ctx, exc) -> None:
+    """After a failed test: search revealing examples, diagnose every failing example, and add the
+    ``help:`` lines to the failure message and ``likely_causes`` / ``revealing`` to the counterexample."""
+    from . import reveal
+    from .pytest_helpers import ConformanceFailure
+
+    minimal = list(ctx.failures)
+    last = ctx.last_failure
+    seen = [e["notes"] for e in minimal]
+    revealing = [e for e in reveal.search(item, ctx) if e["notes"] not in seen]
+    examples = minimal + revealing
+    causes = diagnose(examples, ctx.dtype)
+    n = sum(1 for e in examples if e.get("outputs"))
+    lines = help_lines(causes, n)
+    extra = {"likely_causes": causes}
+    if revealing:
+        first = revealing[0]
+        path = reveal.save_revealing(ctx, first)
+        region = reveal.region_text(first["notes"])
+        case = ", ".join(f"{k}={v!r}" for k, v in _jsonable_notes(first["notes"]).items())
+        lines.append(f"revealing example ({region}; {len(revealing)} found): error[{first['clause']}]: "
+                     f"{first['headline']}\n    case: {case}\n    repro: {ctx.repro_command(path)}")
+        extra["revealing"] = {"clause": first["clause"], "message": first["headline"], "region": region,
+                              "case": _jsonable_notes(first["notes"]), "npz": path, "repro": ctx.repro_command(path)}
+    if last is not None:
+        last.update(extra)
+    text = "\n".join("  " + ln for ln in lines)
+    for e in _leaves(exc):
+        if isinstance(e, ConformanceFailure) and e.args:
+            e.args = (f"{e.args[0]}\n{text}",) + tuple(e.args[1:])
+
+
+def _leaves(exc):
+    subs = getattr(exc, "exceptions", None)
+    if subs:
+        for s in subs:
+            yield from _leaves(s)
+    else:
+        yield exc
