@@ -101,6 +101,9 @@ class Model:
     def attention_values(self, v):           # RET-DECODE: exact values
         return _f(v)
 
+    def attention_query(self, q_post, *, query_pos, b, w, inv, traditional):   # RET-DECODE: q at its own position
+        return _f(q_post)
+
     def token_scores_for(self, q_post, k_post, codes, C, *, query_pos, b, w, inv, traditional, scale):
         """RET-LUT: LUT of q R_b (from the post-RoPE query at query_pos) indexed by the codes."""
         q_b = self.far_query(q_post, b=self.far_b(b, w), inv_freqs=inv, traditional=traditional,
@@ -194,6 +197,9 @@ class Model:
         pool = (j <= i) if self.duplicates() else ((j <= i) & ~forced)
         idx = np.flatnonzero(pool)
         k = self.count(self.topk_length(i, T, capacity or T), topk, int(idx.size))
+        if k == 0 and not forced.any():      # RET-SELECT: never empty, the query's own token instead
+            forced = forced.copy()
+            forced[i] = True
         flat = s.reshape((-1, n_q, T))
         picked = np.zeros((flat.shape[0], n_kv_heads, T), dtype=bool)
         for n in range(flat.shape[0]):
@@ -237,7 +243,8 @@ class Model:
         mask, mult = self.select(scores, n_kv_heads=k_post.shape[-3], query_pos=query_pos, w=w, sinks=sinks,
                                  topk=topk, capacity=capacity)
         keys = self.attention_keys(k_post, codes, _f(C), inv_freqs, traditional)
-        out = self._attend(q_post, keys, self.attention_values(v), mult, scale)
+        q_att = self.attention_query(q_post, query_pos=query_pos, b=b, w=w, inv=inv_freqs, traditional=traditional)
+        out = self._attend(q_att, keys, self.attention_values(v), mult, scale)
         return (out, mask) if return_mask else out
 
     def prefill_attention(self, q, k, v, *, scale=None):
@@ -518,6 +525,10 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("quantized-keys-in-attention", "quantized keys C[code] (re-rotated) fed to attention: compression only, "
          "not exact attention over the retrieved tokens", _DECODE,
          _model("QuantizedKeys", "C[code] R_t", attention_keys=_quantized_keys)),
+    _dev("far-query-in-attention", "far-position query in exact attention: q R_b against keys at their true "
+         "positions (relative position b - j) instead of the query at its own position i", _DECODE,
+         _model("FarQueryAttention", "q R_(b-i) in attention", attention_query=lambda self, q, *, query_pos, b, w, inv,
+                traditional: self.far_query(q, b=b, inv_freqs=inv, traditional=traditional, positions=query_pos))),
     _dev("key-as-proxy-query", "the incoming key used as a proxy query: tokens scored with the newest key instead "
          "of the query", _DECODE,
          _model("ProxyQuery", "key as query", token_scores_for=_proxy_scores)),

@@ -22,6 +22,7 @@ MUTANT_CAUSES = {
     "TopkCeil": "topk-rounded-up",
     "UnionMissing": "gqa-one-head",
     "CompressionOnly": "quantized-keys-in-attention",
+    "FarQueryInAttention": "far-query-in-attention",
     "TrimForgetsPositions": "trim-keeps-position-counter",
 }
 
