@@ -21,7 +21,7 @@ import numpy as np
 
 from a2ats_spec import oracle as _o
 
-__all__ = ["Deviation", "DEVIATIONS", "Model", "ModelCache", "by_id"]
+__all__ = ["Deviation", "DEVIATIONS", "DeviantAdapter", "Model", "ModelCache", "by_id"]
 
 _ROPE = {"rope_apply", "rope_invert"}
 _FAR = {"wrope_scores", "far_query", "far_keys"}
@@ -65,7 +65,7 @@ class Model:
     def is_sink(self, j, sinks):             # RET-SELECT: sinks are forced
         return j < sinks
 
-    def topk_length(self, i, T, capacity):   # RET-TOPK: a query at i sees i + 1 tokens
+    def topk_length(self, i, T, capacity):   # RET-TOPK: a query at i sees i + 1 tokens (capacity: cache buffer)
         return i + 1
 
     def count(self, n, topk, n_candidates):  # RET-TOPK: int() of the fraction
@@ -196,7 +196,7 @@ class Model:
         forced = (j <= i) & (self.is_sink(j, sinks) | ((i - j >= 0) & self.is_near(i - j, w)))
         pool = (j <= i) if self.duplicates() else ((j <= i) & ~forced)
         idx = np.flatnonzero(pool)
-        k = self.count(self.topk_length(i, T, capacity or T), topk, int(idx.size))
+        k = self.count(self.topk_length(i, T, capacity), topk, int(idx.size))
         if k == 0 and not forced.any():      # RET-SELECT: never empty, the query's own token instead
             forced = forced.copy()
             forced[i] = True
@@ -499,14 +499,14 @@ DEVIATIONS: tuple[Deviation, ...] = (
          _model("TopkOverT", "over T", topk_length=lambda self, i, T, cap: T)),
     _dev("topk-over-buffer", "top-k count over the cache's allocated buffer (a multiple of 256 tokens) instead of "
          "the i + 1 tokens the query sees", {"make_cache"},
-         _model("TopkOverBuffer", "over capacity", topk_length=lambda self, i, T, cap: cap)),
+         _model("TopkOverBuffer", "over capacity", topk_length=lambda self, i, T, cap: i + 1 if cap is None else cap)),
     _dev("topk-rounded-up", "top-k count rounded up, ceil(topk·n), instead of the authors' int() (floor)",
          {"topk_count"} | _SELECT,
          _model("TopkCeil", "ceil", count=lambda self, n, topk, nc: (
              _o.topk_count(n, topk, nc) if isinstance(topk, (int, np.integer)) else
              (math.ceil(float(topk) * n) if nc is None else min(math.ceil(float(topk) * n), nc))))),
     _dev("duplicate-tokens", "duplicate tokens in the softmax: a sink/window token also picked by top-k is "
-         "attended twice (top-k not restricted to the non-forced candidates, no de-duplication)", _DECODE,
+         "attended twice (top-k not restricted to the non-forced candidates, no de-duplication)", _SELECT,
          _model("Duplicates", "multiset", duplicates=lambda self: True)),
     _dev("l-transposed", "z-space transform with L transposed (z = k Lᵀ instead of k L)",
          {"z_transform", "assign_z", "make_cache"},
@@ -562,6 +562,25 @@ def by_id(id_: str) -> Deviation:
         return _BY_ID[id_]
     except KeyError:
         raise ValueError(f"unknown deviation id {id_!r}; known: {', '.join(_BY_ID)}") from None
+
+
+class DeviantAdapter:
+    """An adapter whose callables are a deviation's model (or the faithful model with ``None``): a port
+    with exactly that known bug, in float64. Subclass it with a fixed id to pass it as ``--iut``."""
+
+    dtypes = ("float64",)
+    version = "deviant model"
+    deviation: str | None = None
+    variant = 0
+
+    def __init__(self, deviation: str | None = None, variant: int | None = None):
+        dev = deviation or self.deviation
+        model = Model() if dev is None else by_id(dev).models()[self.variant if variant is None else variant]
+        self.name = f"deviant model ({dev or 'faithful'})"
+        from .adapter import FUNCTION_NAMES
+
+        for fn in FUNCTION_NAMES + ("make_cache",):
+            setattr(self, fn, getattr(model, fn))
 
 
 __doc__ = (__doc__ or "") + "\n".join(f"- ``{d.id}``: {d.cause}" for d in DEVIATIONS) + "\n"

@@ -165,6 +165,7 @@ def explain_failure(item, ctx, exc) -> None:
                      f"{first['headline']}\n    case: {case}\n    repro: {ctx.repro_command(path)}")
         extra["revealing"] = {"clause": first["clause"], "message": first["headline"], "region": region,
                               "case": _jsonable_notes(first["notes"]), "npz": path, "repro": ctx.repro_command(path)}
+    extra["help"] = "\n".join(lines)
     if last is not None:
         last.update(extra)
     text = "\n".join("  " + ln for ln in lines)
