@@ -3,7 +3,9 @@
     a2ats-conformance [--iut module:object] [--profile quick|ci|thorough] [--dtype D|all]
                       [--report-json F] [--report-md F] [--xfails F] [-n N] [--clauses ID,...]
                       [--seed S] [--counterexample-dir DIR] [-k EXPR] [-v]
-    a2ats-conformance vectors --out DIR [--seed S]
+    a2ats-conformance vectors --out DIR [--size small|full] [--seed S]
+    a2ats-conformance grade VECTORS_DIR ANSWERS_DIR [--report-json F] [--report-md F]
+    a2ats-conformance --version
 
 The suite runs in-process under pytest (pytest-xdist when -n > 1).  Exit status: 0 when no
 clause fails (xfailed and not-implemented clauses do not count), 1 when a clause fails, 2 on a
@@ -223,6 +225,15 @@ def main(argv=None) -> int:
         from .vectors import main as vectors_main
 
         return vectors_main(argv[1:])
+    if argv and argv[0] == "grade":
+        from .grade import main as grade_main
+
+        return grade_main(argv[1:])
+    if argv[:1] == ["--version"]:
+        from .versions import version_text
+
+        print(version_text())
+        return 0
     a = _parser().parse_args(argv)
     if a.xfails:
         from .xfails import read_xfails

@@ -1,30 +1,223 @@
-"""Golden vectors: written from the oracle, deterministic, and the reference passes them."""
+"""Golden vectors (format a2ats-golden-vectors/2): every clause covered, deterministic, versioned, and graded
+from answer files: the reference, the oracle and the NumPy-only example port grade 100%, a wrong answer set
+fails exactly the clauses it was built to fail, malformed answers are a clear error."""
 
+import collections
 import json
+import os
+import shutil
+import subprocess
+import sys
 
-from a2ats_conformance.adapter import load_adapter
-from a2ats_conformance.vectors import check_vectors, load_vectors, main, write_vectors
+import numpy as np
+import pytest
 
+from a2ats_conformance.adapter import ORACLE_IUT, load_adapter
+from a2ats_conformance.cli import main as cli_main
+from a2ats_conformance.grade import AnswersError, grade, grade_cases
+from a2ats_conformance.vectors import FORMAT, MIN_CASES, check_vectors, load_vectors, write_answers, write_vectors
+from a2ats_spec.clauses import SPEC_VERSION, clause_ids
 
-def test_vectors_roundtrip_and_reference_passes(tmp_path):
-    assert main(["--out", str(tmp_path / "v")]) == 0
-    manifest, _ = load_vectors(str(tmp_path / "v"))
-    clauses = {c["clause"] for c in manifest["cases"]}
-    from a2ats_spec.clauses import clause_ids
-
-    assert clauses == {c for c in clause_ids() if not c.startswith("CACHE-")}
-    assert all(c.get("note") is not None and c["tolerance"]["float32"] for c in manifest["cases"])
-    assert check_vectors(str(tmp_path / "v"), load_adapter()) == []
-    assert check_vectors(str(tmp_path / "v"), load_adapter("a2ats_conformance.adapters.oracle:OracleAdapter"), "float64") == []
-
-
-def test_vectors_are_deterministic(tmp_path):
-    write_vectors(str(tmp_path / "a"), seed=3)
-    write_vectors(str(tmp_path / "b"), seed=3)
-    assert json.loads((tmp_path / "a" / "manifest.json").read_text()) == json.loads((tmp_path / "b" / "manifest.json").read_text())
+EXAMPLE = os.path.join(os.path.dirname(__import__("a2ats_conformance").__file__), "examples", "answer_vectors.py")
+STATELESS = [c for c in clause_ids() if not c.startswith("CACHE-")]
+CACHE = [c for c in clause_ids() if c.startswith("CACHE-")]
 
 
-def test_vectors_catch_a_mutant(tmp_path):
-    write_vectors(str(tmp_path))
-    problems = check_vectors(str(tmp_path), load_adapter("a2ats_conformance.mutants:CompressionOnly"))
-    assert [cid for cid, _ in problems] == ["RET-DECODE.decode_step.000"]
+@pytest.fixture(scope="module")
+def vectors(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vectors")
+    assert cli_main(["vectors", "--out", str(d)]) == 0
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def numpy_answers(vectors, tmp_path_factory):
+    out = tmp_path_factory.mktemp("answers-numpy")
+    subprocess.run([sys.executable, EXAMPLE, vectors, str(out)], check=True, capture_output=True)
+    return str(out)
+
+
+def _statuses(report):
+    return {cid: c["status"] for cid, c in report["clauses"].items()}
+
+
+def test_every_clause_is_covered(vectors):
+    manifest, _ = load_vectors(vectors)
+    assert manifest["format"] == FORMAT and manifest["spec_version"] == SPEC_VERSION
+    per = collections.Counter(c["clause"] for c in manifest["calls"])
+    assert set(per) == set(STATELESS)
+    assert min(per.values()) >= MIN_CASES, per
+    assert {t["clause"] for t in manifest["traces"]} == set(CACHE)
+    notes = " ".join(c["note"] for c in manifest["calls"] + manifest["traces"])
+    for case in ("exact tie", "w >= T", "sinks > T", "w = 0", "growth past 256", "uint8", "uint16", "batch 2",
+                 "G = 1", "G = 4", "half-split", "speculative", "chunks", "save/load", "positions up to"):
+        assert case in notes, case
+    ops = [s["op"] for t in manifest["traces"] for s in t["steps"]]
+    assert {"append", "decode", "prefill", "trim", "save_load"} <= set(ops)
+    trims = [(t["id"], s) for t in manifest["traces"] for s in t["steps"] if s["op"] == "trim"]
+    assert any(e["name"].endswith("offset") and e["value"] == 0 for _, s in trims for e in s["expect"]), "trim to 0"
+
+
+def test_vectors_are_deterministic(vectors, tmp_path):
+    write_vectors(str(tmp_path / "again"), seed=0)
+    a, b = (json.loads(open(os.path.join(d, "manifest.json")).read()) for d in (vectors, tmp_path / "again"))
+    assert a == b
+    for f in sorted(os.listdir(tmp_path / "again" / "arrays"))[::40]:
+        assert (tmp_path / "again" / "arrays" / f).read_bytes() == open(os.path.join(vectors, "arrays", f), "rb").read()
+
+
+def test_reference_and_oracle_grade_100_percent(vectors, tmp_path):
+    for iut, dtype in ((None, "float32"), (ORACLE_IUT, "float64")):
+        answers = write_answers(vectors, load_adapter(iut), str(tmp_path / dtype), dtype)
+        report = grade(vectors, answers)
+        assert set(_statuses(report).values()) == {"pass"}, [(c, v) for c, v in report["clauses"].items()
+                                                             if v["status"] != "pass"]
+
+
+def test_numpy_example_port_grades_100_percent(vectors, numpy_answers, tmp_path):
+    report_json = tmp_path / "r.json"
+    assert cli_main(["grade", vectors, numpy_answers, "--report-json", str(report_json),
+                     "--report-md", str(tmp_path / "r.md")]) == 0
+    report = json.loads(report_json.read_text())
+    assert set(_statuses(report).values()) == {"pass"}
+    assert report["implementation"]["name"].startswith("numpy_port")
+    assert "| CACHE-TRIM | pass |" in (tmp_path / "r.md").read_text()
+
+
+def test_example_imports_only_numpy_and_the_standard_library():
+    import ast
+
+    tree = ast.parse(open(EXAMPLE, encoding="utf-8").read())
+    mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert mods - set(sys.stdlib_module_names) - {"__future__"} == {"numpy", "numpy_port"}
+
+
+def _corrupt(vectors, answers, out):
+    """A wrong answer set: one wrong answer for each clause in WRONG, no answers at all for EQ-17-FIT."""
+    shutil.copytree(answers, out)
+    manifest, dec = load_vectors(vectors)
+    calls = {c["id"]: c for c in manifest["calls"]}
+
+    def first(clause, pred=lambda c: True):
+        return next(c for c in manifest["calls"] if c["clause"] == clause and pred(c))
+
+    # EQ-14: a code outside the allowed set
+    c = first("EQ-14")
+    allowed = dec(c["outputs"][0]["allowed"])
+    codes = np.load(out / f"{c['id']}.out0.npy")
+    codes.flat[0] = next(j for j in range(100) if j not in allowed.reshape(-1, allowed.shape[-1])[0])
+    np.save(out / f"{c['id']}.out0.npy", codes)
+    # RET-SELECT: drop a token that must be selected
+    c = first("RET-SELECT")
+    must = dec(c["outputs"][0]["must"])
+    m = np.load(out / f"{c['id']}.out0.npy")
+    m[tuple(np.argwhere(must)[0])] = False
+    np.save(out / f"{c['id']}.out0.npy", m)
+    # PREFILL: an output off by 1e-2
+    c = first("PREFILL")
+    np.save(out / f"{c['id']}.out0.npy", np.load(out / f"{c['id']}.out0.npy") + 1e-2)
+    # INPUT-ERRORS: a bad input answered instead of rejected
+    c = first("INPUT-ERRORS")
+    os.remove(out / f"{c['id']}.error")
+    np.save(out / f"{c['id']}.out0.npy", np.zeros(3))
+    # CODES-DTYPE: uint16 for K = 256
+    c = first("CODES-DTYPE", lambda c: c["args"][0]["value"] == 256)
+    np.save(out / f"{c['id']}.out0.npy", np.zeros((), np.uint16))
+    # EQ-17-FIT: not answered at all
+    for f in os.listdir(out):
+        if f.startswith("EQ-17-FIT."):
+            os.remove(out / f)
+    # CACHE-TRIM: trim reports a wrong count
+    t = next(t for t in manifest["traces"] if t["clause"] == "CACHE-TRIM")
+    n = next(i for i, s in enumerate(t["steps"]) if s["op"] == "trim")
+    np.save(out / f"{t['id']}.{n:03d}.trimmed.npy", np.int64(99))
+    # CACHE-FAR-CODES: uint16 codes for K = 256
+    t = next(t for t in manifest["traces"] if t["clause"] == "CACHE-FAR-CODES" and "K = 256" in t["note"])
+    f = f"{t['id']}.000.codes.npy"
+    np.save(out / f, np.load(out / f).astype(np.uint16))
+    assert calls
+    return {"EQ-14", "RET-SELECT", "PREFILL", "INPUT-ERRORS", "CODES-DTYPE", "CACHE-TRIM", "CACHE-FAR-CODES"}
+
+
+def test_wrong_answers_fail_exactly_their_clauses(vectors, numpy_answers, tmp_path):
+    wrong = _corrupt(vectors, numpy_answers, tmp_path / "wrong")
+    report = grade(vectors, str(tmp_path / "wrong"))
+    st = _statuses(report)
+    assert {c for c, s in st.items() if s == "fail"} == wrong
+    assert {c for c, s in st.items() if s == "not-implemented"} == {"EQ-17-FIT"}
+    assert {c for c, s in st.items() if s not in ("fail", "not-implemented")} == set(clause_ids()) - wrong - {"EQ-17-FIT"}
+    assert set(st[c] for c in st if c not in wrong | {"EQ-17-FIT"}) == {"pass"}
+    assert report["summary"]["failed_clauses"] == sorted(wrong)
+    assert cli_main(["grade", vectors, str(tmp_path / "wrong")]) == 1
+    msg = report["clauses"]["CACHE-TRIM"]["counterexample"]["message"]
+    assert "trimmed" in msg and "step" in msg
+
+
+def test_missing_and_misnamed_answers(vectors, numpy_answers, tmp_path):
+    out = tmp_path / "partial"
+    shutil.copytree(numpy_answers, out)
+    manifest, _ = load_vectors(vectors)
+    victim = next(c for c in manifest["calls"] if c["clause"] == "RET-ATTN")
+    os.rename(out / f"{victim['id']}.out0.npy", out / f"{victim['id']}.output0.npy")
+    report = grade(vectors, str(out))
+    assert _statuses(report)["RET-ATTN"] == "fail"   # other RET-ATTN cases were answered: a gap is a failure
+    assert "no answer" in report["clauses"]["RET-ATTN"]["counterexample"]["message"]
+    assert any("output0" in w for w in report["xfail_warnings"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert set(_statuses(grade(vectors, str(empty))).values()) == {"not-implemented"}
+
+
+def test_capabilities_in_answers_make_cases_not_applicable(vectors, numpy_answers, tmp_path):
+    out = tmp_path / "caps"
+    shutil.copytree(numpy_answers, out)
+    meta = json.loads((out / "answers.json").read_text())
+    meta["capabilities"] = {"rope_layouts": ["traditional"], "cache_ops": ["append", "decode", "prefill"]}
+    (out / "answers.json").write_text(json.dumps(meta))
+    res = grade_cases(vectors, str(out))
+    res.pop("__unused__")
+    manifest, _ = load_vectors(vectors)
+    halves = [t["id"] for t in manifest["traces"] if "half" in t["requires"]["rope_layouts"]]
+    assert halves and all(res[i]["outcome"] == "not-applicable" for i in halves)
+    assert res[next(t["id"] for t in manifest["traces"] if t["clause"] == "CACHE-SAVE")]["outcome"] == "not-applicable"
+    assert all(r["outcome"] in ("passed", "not-applicable") for r in res.values())
+    assert _statuses(grade(vectors, str(out)))["CACHE-SAVE"] == "not-applicable"
+
+
+def test_malformed_answers_are_a_clear_error(vectors, numpy_answers, tmp_path, capsys):
+    out = tmp_path / "bad"
+    shutil.copytree(numpy_answers, out)
+    name = next(f for f in sorted(os.listdir(out)) if f.startswith("EQ-13.") and f.endswith(".npy"))
+    (out / name).write_bytes(b"not an npy file")
+    with pytest.raises(AnswersError, match=name.replace(".", r"\.")):
+        grade(vectors, str(out))
+    assert cli_main(["grade", vectors, str(out)]) == 2
+    assert name in capsys.readouterr().err
+    np.save(out / name, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(AnswersError, match="no pickled objects"):
+        grade(vectors, str(out))
+
+
+def test_v1_and_v2_readers_refuse_each_other(vectors, tmp_path):
+    manifest, _ = load_vectors(vectors)
+    # A v1 reader checked format == "a2ats-golden-vectors/1" and then read manifest["cases"]: v2 has neither,
+    # so even a reader that skips the format check fails at once instead of reading the calls without traces.
+    assert manifest["format"] != "a2ats-golden-vectors/1" and "cases" not in manifest
+    old = tmp_path / "v1"
+    old.mkdir()
+    (old / "manifest.json").write_text(json.dumps({"format": "a2ats-golden-vectors/1", "cases": []}))
+    with pytest.raises(ValueError, match="a2ats-golden-vectors/1 vectors .*Regenerate"):
+        load_vectors(str(old))
+    assert cli_main(["grade", str(old), str(tmp_path)]) == 2
+
+
+def test_check_vectors_catches_a_mutant(vectors):
+    problems = check_vectors(vectors, load_adapter("a2ats_conformance.mutants:CompressionOnly"))
+    assert problems and {cid.split(".")[0] for cid, _ in problems} == {"RET-DECODE"}
+
+
+def test_version_prints_package_spec_and_formats(capsys):
+    assert cli_main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert f"spec {SPEC_VERSION}" in out and FORMAT in out and "a2ats-conformance " in out
