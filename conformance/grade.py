@@ -220,8 +220,11 @@ def grade(vectors_dir: str, answers_dir: str, dtype: str | None = None) -> dict:
 
     from .cli import STATUS_ORDER, clause_table
 
+    from .report import metadata
+
     t0 = time.time()
     meta = read_answers_meta(answers_dir)
+    dtype = dtype or meta.get("dtype") or "float32"
     results = grade_cases(vectors_dir, answers_dir, dtype)
     unused = results.pop("__unused__")
     tests = {}
@@ -237,13 +240,13 @@ def grade(vectors_dir: str, answers_dir: str, dtype: str | None = None) -> dict:
     summary = {s: sum(1 for c in clauses.values() if c["status"] == s) for s in STATUS_ORDER}
     failed = sorted(c for c, v in clauses.items() if v["status"] == "fail")
     return {
-        "implementation": {"iut": f"answers:{answers_dir}", "name": meta.get("name", "?"),
-                           "version": meta.get("version", ""), "dtype": dtype or meta.get("dtype") or "float32",
+        **metadata(dtype=dtype, profile=f"vectors:{manifest['size']}", seed=manifest["seed"], started_at=t0),
+        "implementation": {"iut": f"answers:{answers_dir}", "name": str(meta.get("name", "?")),
+                           "version": str(meta.get("version", "")), "dtype": dtype,
                            "capabilities": answers_capabilities(meta).as_dict()},
-        "profile": f"vectors:{manifest['size']}",
-        "seed": manifest["seed"],
         "vectors": {"dir": vectors_dir, "format": manifest["format"], "size": manifest["size"],
                     "spec_version": manifest["spec_version"], "spec_sha256": manifest["spec_sha256"]},
+        "run": {"complete": True, "interrupted": False, "error": None, "crashes": [], "counterexample_dir": None},
         "clauses": clauses,
         "tests": tests,
         "summary": dict(summary, failed_clauses=failed, pytest_exit=0),
@@ -261,6 +264,7 @@ def main(argv=None) -> int:
                    "(default: answers.json's dtype, else float32)")
     p.add_argument("--report-json", default=None, metavar="F")
     p.add_argument("--report-md", default=None, metavar="F")
+    p.add_argument("--junit-xml", default=None, metavar="F", help="JUnit XML, one testcase per clause")
     a = p.parse_args(argv)
     from .cli import exit_status, format_markdown, format_table
 
@@ -276,6 +280,10 @@ def main(argv=None) -> int:
     if a.report_md:
         with open(a.report_md, "w", encoding="utf-8") as f:
             f.write(format_markdown(report))
+    if a.junit_xml:
+        from .report import write_junit
+
+        write_junit(report, a.junit_xml)
     return exit_status(report)
 
 

@@ -8,13 +8,15 @@ import os
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
 
 from a2ats_conformance.adapter import ORACLE_IUT, load_adapter
 from a2ats_conformance.cli import main as cli_main
-from a2ats_conformance.grade import AnswersError, grade, grade_cases
+from a2ats_conformance.grade import AnswersError, grade as _grade, grade_cases
+from a2ats_conformance.report import validate_report
 from a2ats_conformance.vectors import FORMAT, MIN_CASES, check_vectors, load_vectors, write_answers, write_vectors
 from a2ats_spec.clauses import SPEC_VERSION, clause_ids
 
@@ -35,6 +37,13 @@ def numpy_answers(vectors, tmp_path_factory):
     out = tmp_path_factory.mktemp("answers-numpy")
     subprocess.run([sys.executable, EXAMPLE, vectors, str(out)], check=True, capture_output=True)
     return str(out)
+
+
+def grade(vectors, answers, dtype=None):
+    """Every report these tests make is checked against the shipped schema."""
+    report = _grade(vectors, answers, dtype)
+    validate_report(report)
+    return report
 
 
 def _statuses(report):
@@ -79,6 +88,7 @@ def test_numpy_example_port_grades_100_percent(vectors, numpy_answers, tmp_path)
     assert cli_main(["grade", vectors, numpy_answers, "--report-json", str(report_json),
                      "--report-md", str(tmp_path / "r.md")]) == 0
     report = json.loads(report_json.read_text())
+    validate_report(report)
     assert set(_statuses(report).values()) == {"pass"}
     assert report["implementation"]["name"].startswith("numpy_port")
     assert "| CACHE-TRIM | pass |" in (tmp_path / "r.md").read_text()
@@ -149,7 +159,14 @@ def test_wrong_answers_fail_exactly_their_clauses(vectors, numpy_answers, tmp_pa
     assert {c for c, s in st.items() if s not in ("fail", "not-implemented")} == set(clause_ids()) - wrong - {"EQ-17-FIT"}
     assert set(st[c] for c in st if c not in wrong | {"EQ-17-FIT"}) == {"pass"}
     assert report["summary"]["failed_clauses"] == sorted(wrong)
-    assert cli_main(["grade", vectors, str(tmp_path / "wrong")]) == 1
+    junit = tmp_path / "junit.xml"
+    assert cli_main(["grade", vectors, str(tmp_path / "wrong"), "--junit-xml", str(junit)]) == 1
+    suite = ET.parse(junit).getroot()
+    cases = {c.get("name").split(" ")[0]: c for c in suite.iter("testcase")}
+    assert list(cases) == clause_ids()
+    assert {cid for cid, c in cases.items() if c.find("failure") is not None} == wrong
+    assert {cid for cid, c in cases.items() if c.find("skipped") is not None} == {"EQ-17-FIT"}
+    assert suite.get("failures") == str(len(wrong)) and suite.get("tests") == str(len(clause_ids()))
     msg = report["clauses"]["CACHE-TRIM"]["counterexample"]["message"]
     assert "trimmed" in msg and "step" in msg
 
@@ -221,3 +238,24 @@ def test_version_prints_package_spec_and_formats(capsys):
     assert cli_main(["--version"]) == 0
     out = capsys.readouterr().out
     assert f"spec {SPEC_VERSION}" in out and FORMAT in out and "a2ats-conformance " in out
+
+
+def test_report_schema_validator_rejects_what_it_must(vectors, numpy_answers):
+    from a2ats_conformance.cli import STATUS_ORDER
+    from a2ats_conformance.report import SCHEMA, validate
+
+    report = json.loads(json.dumps(grade(vectors, numpy_answers), default=str))
+    assert set(STATUS_ORDER) <= set(SCHEMA["$defs"]["verdict"]["properties"]["status"]["enum"])
+    for mutate, expect in ((lambda r: r.pop("spec"), "missing required property 'spec'"),
+                           (lambda r: r["spec"].update(sha256="abc"), "does not match"),
+                           (lambda r: r["clauses"]["EQ-11"].update(status="passed"), "is not one of"),
+                           (lambda r: r["platform"]["device"].update(type="tpu"), "is not one of"),
+                           (lambda r: r.update(seed="0"), "expected integer or null"),
+                           (lambda r: r["implementation"]["capabilities"].update(topk=["most"]), "is not one of")):
+        bad = json.loads(json.dumps(report))
+        mutate(bad)
+        errors = validate(bad, SCHEMA)
+        assert any(expect in e for e in errors), (expect, errors)
+    assert validate(report, SCHEMA) == []
+    with pytest.raises(ValueError, match="outside the supported subset"):
+        validate({}, {"oneOf": []})
