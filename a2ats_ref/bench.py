@@ -173,7 +173,25 @@ def main(argv=None) -> int:
                     help="leave glibc's malloc thresholds alone (see fast_decode.tune_allocator)")
     args = ap.parse_args(argv)
     profile = "tiny" if args.tiny else "quick" if args.quick else "full"
+    try:
+        return _run(args, profile)
+    except KeyboardInterrupt:
+        print("a2ats-bench: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as exc:  # output paths are checked first; these are user-fixable
+        where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
+        print(f"a2ats-bench: error: {where}{exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}",
+              file=sys.stderr)
+        return 2
 
+
+def _run(args, profile: str) -> int:
+    """Exit codes: 0 results written, 2 usage or input error (message on stderr), 130 interrupted."""
+    from .fileio import check_writable
+
+    check_writable(args.json, "--json")  # before minutes of benchmarking, not after
+    if args.md:
+        check_writable(args.md, "--md")
     _blas.preload()
     from . import fast_decode
 

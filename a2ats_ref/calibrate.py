@@ -9,15 +9,21 @@ The file stores Cz and L per layer (a2ats_ref.codebook); C = Cz L^-1 (EQ-18) is 
 
 Reproducible: the corpus order is fixed, the UUID tail and every k-means seed derive from --seed
 (k-means seed of (layer l, head h) = SeedSequence([seed, l, h]).generate_state(1)[0]).
-Interrupted runs resume: the collected statistics (``collected.npz``, ~2 GB for SmolLM2 at 80K tokens)
-and every finished layer are kept next to the output in ``<out>.partial/`` and reused when the
-settings, the corpus and the model are the same; the folder is removed after a successful run.
+Interrupted runs resume: the collected statistics (one ``collect_NNNN.npz`` per group of about
+``checkpoint_tokens`` tokens, ~2 GB in all for SmolLM2 at 80K tokens) and every finished layer are kept
+next to the output in ``<out>.partial/`` and reused when the settings, the model and the corpus's tokens
+(a SHA-256 of every token id) are the same; otherwise the run starts over and says why. The folder is
+locked (one calibration per ``--out`` at a time) and removed after a successful run. Collected
+statistics do not depend on K, so a rerun with another ``--codebook-size`` does not collect again.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -33,9 +39,15 @@ from .corpus import build_corpus
 from .eq15_cholesky import cholesky
 from .eq16_z_transform import z_transform
 from .eq17_kmeans import kmeans
+from .fileio import check_writable
 
 DEFAULTS = dict(tokens=65536, codebook_size=4096, b=2048, seed=0, uuid_fraction=0.25, seq_len=1024, chunk=256,
-                max_iter=300, tol=1e-4)
+                max_iter=300, tol=1e-4, checkpoint_tokens=8192)
+LOCK_NAME = ".lock"
+
+
+class CalibrationLocked(ValueError):
+    """Another calibration holds the partial folder of the same output."""
 
 
 def head_seed(seed: int, layer: int, head: int) -> int:
@@ -63,10 +75,103 @@ def calibrate(
     tol: float = DEFAULTS["tol"],
     fingerprint: str | None = None,
     partial_dir=None,
+    resume: bool = True,
+    checkpoint_tokens: int = DEFAULTS["checkpoint_tokens"],
     quiet: bool = False,
     model_source: str | None = None,
 ) -> Codebook:
-    """Fit a :class:`Codebook` for ``model``. See the module docstring for the steps."""
+    """Fit a :class:`Codebook` for ``model``. See the module docstring for the steps.
+
+    partial_dir: folder for resumable state (locked while this runs); resume=False discards what it holds.
+    """
+    kw = dict(texts=texts, tokens=tokens, codebook_size=codebook_size, b=b, seed=seed, uuid_fraction=uuid_fraction,
+              seq_len=seq_len, chunk=chunk, max_iter=max_iter, tol=tol, fingerprint=fingerprint,
+              checkpoint_tokens=checkpoint_tokens, quiet=quiet, model_source=model_source)
+    if partial_dir is None:
+        return _calibrate(model, tokenizer, partial=None, **kw)
+    with partial_lock(Path(partial_dir)) as partial:
+        if not resume:
+            _clear_partial(partial)
+        return _calibrate(model, tokenizer, partial=partial, **kw)
+
+
+@contextlib.contextmanager
+def partial_lock(partial: Path):
+    """Hold an exclusive lock on ``partial`` (created if missing) for one calibration; refuse if another holds it.
+
+    flock: the kernel drops the lock when its holder exits, killed or not, so there are no stale locks.
+    """
+    import fcntl
+
+    try:
+        partial.mkdir(parents=True, exist_ok=True)
+        fd = os.open(partial / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ValueError(f"partial folder {partial}: cannot create it ({exc.strerror}); choose another --out") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            raise CalibrationLocked(
+                f"another calibration (pid {holder}) is writing to the same output: {partial} is locked. "
+                "Wait for it to finish, or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield partial
+    finally:
+        os.close(fd)
+
+
+def _clear_partial(partial: Path) -> None:
+    """Remove every resumable file in ``partial`` (not the lock this process holds)."""
+    for f in partial.iterdir():
+        if f.name != LOCK_NAME:
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+
+
+def tokens_sha256(sequences) -> str:
+    """SHA-256 of the corpus's token ids, sequence by sequence: the resume key for collected statistics."""
+    h = hashlib.sha256()
+    for seq in sequences:
+        a = np.asarray(seq, dtype=np.int64)
+        h.update(len(a).to_bytes(8, "little"))
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _check_distinct_tokens(corpus, K: int, *, tokenizer, texts, tokens, uuid_fraction, seq_len, seed) -> None:
+    """k-means needs K distinct keys per KV head; layer 0's pre-RoPE keys depend only on the token id, so the corpus
+    must hold at least K distinct tokens. Checked before the (long) collection, with settings that would work."""
+    distinct = len({t for seq in corpus.sequences for t in seq})
+    if distinct >= K:
+        return
+    hint = ""
+    budget = tokens
+    for _ in range(6):  # how many text tokens would give K distinct ones (tokenising is cheap next to collecting)
+        budget *= 2
+        bigger = build_corpus(tokenizer, paths=texts, tokens=budget, uuid_fraction=uuid_fraction, seq_len=seq_len,
+                              seed=seed)
+        if len({t for seq in bigger.sequences for t in seq}) >= K:
+            hint = f" --tokens {budget} would give enough;"
+            break
+        if bigger.text_tokens < budget:  # the text ran out
+            hint = f" the text runs out at {bigger.text_tokens} tokens, so add text (--text) or"
+            break
+    raise ValueError(
+        f"--codebook-size {K}: k-means needs at least K={K} distinct keys per KV head, and layer 0's keys depend only "
+        f"on the token id; the corpus has {distinct} distinct tokens ({corpus.n_tokens} in all).{hint} "
+        f"use --codebook-size {_pow2_at_most(distinct)} (at most {distinct})"
+    )
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_fraction, seq_len, chunk, max_iter,
+               tol, fingerprint, partial, checkpoint_tokens, quiet, model_source) -> Codebook:
     t_start = time.perf_counter()
     timings: dict = {}
     K = int(codebook_size)
@@ -94,27 +199,24 @@ def calibrate(
             f"gave {corpus.n_tokens} ({corpus.text_tokens} text + {corpus.uuid_tokens} UUID). Give more text "
             f"(--text), raise --tokens, or lower --codebook-size to at most {corpus.n_tokens}"
         )
+    _check_distinct_tokens(corpus, K, tokenizer=tokenizer, texts=texts, tokens=tokens, uuid_fraction=uuid_fraction,
+                           seq_len=seq_len, seed=seed)
     _log(f"corpus: {corpus.text_tokens} text + {corpus.uuid_tokens} UUID tokens in {len(corpus.sequences)} sequences", quiet)
 
-    partial = Path(partial_dir) if partial_dir is not None else None
-    if partial is not None:
-        partial.mkdir(parents=True, exist_ok=True)
-    collect_settings = {"b": b, "chunk": chunk, "corpus": corpus.description, "weights_fingerprint": fingerprint}
+    tok_hash = tokens_sha256(corpus.sequences)
+    collect_settings = {"b": b, "chunk": chunk, "corpus": corpus.description, "weights_fingerprint": fingerprint,
+                        "tokens_sha256": tok_hash, "checkpoint_tokens": int(checkpoint_tokens)}
     t0 = time.perf_counter()
-    col = _load_collected(partial, collect_settings) if partial is not None else None
-    if col is not None:
-        _log(f"collected statistics reused from {partial}", quiet)
-    else:
-        prog = None if quiet else _collect.text_progress("collect (tokens)")
-        col = _collect.collect(model, corpus.sequences, b=b, chunk=chunk, progress=prog, total_tokens=corpus.n_tokens)
-        if partial is not None:
-            _save_collected(partial, collect_settings, col)
+    if partial is not None:
+        _discard_stale(partial, collect_settings, quiet)
+    col = _collect_checkpointed(model, corpus, partial, collect_settings, b=b, chunk=chunk,
+                                checkpoint_tokens=checkpoint_tokens, quiet=quiet)
     timings["collect_s"] = round(time.perf_counter() - t0, 2)
     n_layers, n_kv, d = col.meta["n_layers"], col.meta["n_kv"], col.meta["head_dim"]
 
     settings = {
         "codebook_size": K, "b": b, "seed": seed, "max_iter": max_iter, "tol": tol, "n_tokens": col.n_tokens,
-        "corpus": corpus.description, "weights_fingerprint": fingerprint,
+        "corpus": corpus.description, "weights_fingerprint": fingerprint, "tokens_sha256": tok_hash,
     }
 
     cz_layers, L_layers, iters, objectives, last_rel = [], [], [], [], []
@@ -180,33 +282,131 @@ def calibrate(
         "query_moment": "EQ-10: mean over GQA group heads and tokens of (q R_b)^T (q R_b), / RMS, + ridge I",
         "tokens": {"text": corpus.text_tokens, "uuid": corpus.uuid_tokens, "total": col.n_tokens},
         "corpus": corpus.description,
+        "tokens_sha256": tok_hash,
         "timings": timings,
         "blas": {k: _blas.blas_status().get(k) for k in ("source", "effective")},
     }
     return Codebook(cz_layers, L_layers, meta)
 
 
-def _save_collected(partial: Path, settings: dict, col) -> None:
-    """Keys and query sums of a finished collection, so a resumed run skips the model pass (np.savez, no pickle)."""
-    arrays = {"settings": np.frombuffer(json.dumps(settings, sort_keys=True).encode(), dtype=np.uint8),
+def _groups(sequences, checkpoint_tokens: int) -> list:
+    """Consecutive sequences in groups of about checkpoint_tokens tokens (the unit of collection checkpoints)."""
+    groups, cur, n = [], [], 0
+    for seq in sequences:
+        cur.append(seq)
+        n += len(seq)
+        if n >= checkpoint_tokens:
+            groups.append(cur)
+            cur, n = [], 0
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _collect_checkpointed(model, corpus, partial, settings, *, b, chunk, checkpoint_tokens, quiet):
+    """collect() group by group, each group saved to ``partial`` as it finishes and reused on a rerun.
+
+    Groups are the same whether or not the run was interrupted, and their sums are added in group order,
+    so a resumed run is bit-identical to an uninterrupted one.
+    """
+    if not (isinstance(checkpoint_tokens, int) and checkpoint_tokens >= 1):
+        raise ValueError(f"checkpoint_tokens: expected a positive int, got {checkpoint_tokens!r}")
+    groups = _groups(corpus.sequences, checkpoint_tokens)
+    prog = None if quiet else _collect.text_progress("collect (tokens)")
+    parts, done, reused = [], 0, 0
+    for g, seqs in enumerate(groups):
+        part = _load_collected(partial, g, settings) if partial is not None else None
+        if part is None:
+            report = None if prog is None else (lambda d, _t, base=done: prog(base + d, corpus.n_tokens))
+            part = _collect.collect(model, seqs, b=b, chunk=chunk, progress=report, total_tokens=corpus.n_tokens)
+            if partial is not None:
+                _save_collected(partial, g, settings, part)
+        else:
+            reused += 1
+        parts.append(part)
+        done += part.n_tokens
+    if reused:
+        _log(f"collected statistics: {reused} of {len(groups)} groups reused from {partial}", quiet)
+    return _merge(parts)
+
+
+def _merge(parts) -> "_collect.Collected":
+    first = parts[0]
+    n_layers = first.meta["n_layers"]
+    qsum = []
+    for l in range(n_layers):
+        acc = np.zeros_like(first.qsum[l])
+        for p in parts:
+            acc += p.qsum[l]
+        qsum.append(acc)
+    return _collect.Collected(
+        keys=[np.concatenate([p.keys[l] for p in parts], axis=1) for l in range(n_layers)], qsum=qsum,
+        qcount=[sum(p.qcount[l] for p in parts) for l in range(n_layers)], n_tokens=sum(p.n_tokens for p in parts),
+        b=first.b, seconds=sum(p.seconds for p in parts), meta=dict(first.meta),
+    )
+
+
+def _settings_json(settings: dict) -> str:
+    return json.dumps(settings, sort_keys=True)
+
+
+def _collected_file(partial: Path, g: int) -> Path:
+    return partial / f"collect_{g:04d}.npz"
+
+
+def _discard_stale(partial: Path, settings: dict, quiet: bool) -> None:
+    """Resume state made from other settings or other tokens is removed, with a message (never reused)."""
+    stale = []
+    for f in sorted(partial.glob("collect_*.npz")):
+        try:
+            with np.load(f, allow_pickle=False) as z:
+                same = bytes(z["settings"]).decode() == _settings_json(settings)
+        except Exception:  # noqa: BLE001 - torn or foreign: not ours to reuse
+            same = False
+        if not same:
+            stale.append(f)
+    if stale:
+        old = _stale_reason(stale[0], settings)
+        _log(f"{partial}: resume state was made from {old}; starting over", quiet)
+        _clear_partial(partial)
+
+
+def _stale_reason(f: Path, settings: dict) -> str:
+    try:
+        with np.load(f, allow_pickle=False) as z:
+            old = json.loads(bytes(z["settings"]).decode())
+        diff = [k for k in sorted(settings) if old.get(k) != settings[k]]
+        if "tokens_sha256" in diff:
+            return "a different corpus (the calibration tokens' SHA-256 differs: was the --text changed?)"
+        return "different settings (" + ", ".join(diff) + ")"
+    except Exception:  # noqa: BLE001
+        return "an unreadable or torn file"
+
+
+def _save_collected(partial: Path, g: int, settings: dict, col) -> None:
+    """One group's keys and query sums, so a resumed run skips that part of the model pass (np.savez, no pickle)."""
+    arrays = {"settings": np.frombuffer(_settings_json(settings).encode(), dtype=np.uint8),
               "qcount": np.asarray(col.qcount, dtype=np.int64), "n_tokens": np.asarray([col.n_tokens]),
               "shape": np.asarray([col.meta["n_layers"], col.meta["n_q"], col.meta["n_kv"], col.meta["head_dim"]])}
     for l, (k, q) in enumerate(zip(col.keys, col.qsum)):
         arrays[f"keys_{l}"] = k
         arrays[f"qsum_{l}"] = q
-    tmp = partial / "collected.tmp.npz"
+    final = _collected_file(partial, g)
+    tmp = final.with_name(final.name + ".tmp")
     with open(tmp, "wb") as f:
         np.savez(f, **arrays)
-    tmp.replace(partial / "collected.npz")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(final)
 
 
-def _load_collected(partial: Path, settings: dict):
-    f = partial / "collected.npz"
+def _load_collected(partial: Path, g: int, settings: dict):
+    f = _collected_file(partial, g)
     if not f.is_file():
         return None
     try:
         with np.load(f, allow_pickle=False) as z:
-            if bytes(z["settings"]).decode() != json.dumps(settings, sort_keys=True):
+            if bytes(z["settings"]).decode() != _settings_json(settings):
                 return None
             n_layers, n_q, n_kv, d = (int(v) for v in z["shape"])
             return _collect.Collected(
@@ -214,7 +414,7 @@ def _load_collected(partial: Path, settings: dict):
                 qcount=[int(c) for c in z["qcount"]], n_tokens=int(z["n_tokens"][0]), b=settings["b"],
                 meta={"n_layers": n_layers, "n_q": n_q, "n_kv": n_kv, "head_dim": d},
             )
-    except Exception:  # torn or foreign file: collect again
+    except Exception:  # torn or foreign file: collect that group again
         return None
 
 
@@ -266,38 +466,69 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-iter", type=int, default=DEFAULTS["max_iter"], help="k-means steps at most (default 300)")
     p.add_argument("--tol", type=float, default=DEFAULTS["tol"], help="k-means relative tolerance (default 1e-4)")
     p.add_argument("--no-resume", action="store_true", help="ignore and overwrite partial results of an earlier run")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
 
+def check_out_path(out: Path, *, force: bool) -> Path:
+    """Every output path checked before any work: --out a writable file name (not a folder), not an existing
+    file unless --force, and its partial folder creatable."""
+    check_writable(out, "--out")
+    if out.exists() and not force:
+        raise ValueError(f"--out: {out} already exists; pass --force to replace it, or choose another name")
+    partial = partial_path(out)
+    if partial.exists() and not partial.is_dir():
+        raise ValueError(f"--out: {partial} (the resume folder of {out.name}) exists and is not a folder; remove it")
+    return partial
+
+
+def partial_path(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
 def main(argv=None) -> int:
+    """Exit codes: 0 codebook written, 2 usage or input error (message on stderr), 130 interrupted (resumable)."""
     args = _parser().parse_args(argv)
     from . import gguf
 
+    out = Path(args.out)
+    partial = None
     try:
+        partial = check_out_path(out, force=args.force)
         src = gguf.smollm2_path() if args.model == "smollm2" else Path(args.model)
-        t0 = time.perf_counter()
-        if Path(src).is_file() and Path(src).suffix.lower() == ".gguf":
-            # Dense float32 for calibration: same values, BLAS matmuls (quantized CPU matmuls are ~40x slower).
-            model, tok, info = gguf.load_gguf(src, dequantize=True)
-            fingerprint = info.fingerprint
-        else:
-            model, tok = gguf.load_model(src)
-            fingerprint = None
-        _log(f"model: {src} loaded in {time.perf_counter() - t0:.1f}s; BLAS: {_blas.blas_status().get('source')}", args.quiet)
-        out = Path(args.out)
-        partial = out.with_name(out.name + ".partial")
-        if args.no_resume and partial.exists():
-            shutil.rmtree(partial)
-        cb = calibrate(
-            model, tok, texts=args.text, tokens=args.tokens, codebook_size=args.codebook_size, b=args.b, seed=args.seed,
-            uuid_fraction=args.uuid_fraction, seq_len=args.seq_len, chunk=args.chunk, max_iter=args.max_iter,
-            tol=args.tol, partial_dir=partial, quiet=args.quiet, model_source=str(src), fingerprint=fingerprint,
-        )
-        cb.save(out)
-        shutil.rmtree(partial, ignore_errors=True)
+        with partial_lock(partial):  # taken before the model loads: a second run to the same --out stops at once
+            t0 = time.perf_counter()
+            if Path(src).is_file() and Path(src).suffix.lower() == ".gguf":
+                # Dense float32 for calibration: same values, BLAS matmuls (quantized CPU matmuls are ~40x slower).
+                model, tok, info = gguf.load_gguf(src, dequantize=True)
+                fingerprint = info.fingerprint
+            else:
+                model, tok = gguf.load_model(src)
+                fingerprint = None
+            _log(f"model: {src} loaded in {time.perf_counter() - t0:.1f}s; BLAS: {_blas.blas_status().get('source')}",
+                 args.quiet)
+            if args.no_resume:
+                _clear_partial(partial)
+            cb = _calibrate(
+                model, tok, texts=args.text, tokens=args.tokens, codebook_size=args.codebook_size, b=args.b,
+                seed=args.seed, uuid_fraction=args.uuid_fraction, seq_len=args.seq_len, chunk=args.chunk,
+                max_iter=args.max_iter, tol=args.tol, partial=partial, checkpoint_tokens=DEFAULTS["checkpoint_tokens"],
+                quiet=args.quiet, model_source=str(src), fingerprint=fingerprint,
+            )
+            cb.save(out)
+            shutil.rmtree(partial, ignore_errors=True)  # still under the lock
+    except KeyboardInterrupt:
+        where = f"; rerun the same command to resume from {partial}" if partial is not None and partial.is_dir() else ""
+        print(f"a2ats-calibrate: interrupted{where}", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError) as exc:
         print(f"a2ats-calibrate: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # unwritable or vanished paths, full disk: name the path, no traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"a2ats-calibrate: error: {where}{exc.strerror or exc}; check that the path exists and is writable "
+              "(progress so far is kept; rerun to resume)", file=sys.stderr)
         return 2
     _log(f"wrote {out} ({cb.n_layers} layers x {cb.n_kv_heads} KV heads x K={cb.K}); timings {json.dumps(cb.meta['timings'])}", args.quiet)
     return 0

@@ -63,10 +63,10 @@ def check_writable(path, what: str = "path") -> Path:
     """Fail before any work when ``path`` cannot be written: a folder, a missing or read-only parent."""
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"{what}: {path} is a folder; give a file name (e.g. {path / 'out.safetensors'})")
+        raise ValueError(f"{what}: {path} is a folder; give a file name (a new file inside it, for example)")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
-        raise ValueError(f"{what}: folder {parent} does not exist; create it first or choose another path")
+        raise ValueError(f"{what}: {parent} is not an existing folder; create it first or choose another path")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{what}: folder {parent} is not writable; choose a folder you can write to")
     if path.exists() and not os.access(path, os.W_OK):

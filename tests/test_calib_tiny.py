@@ -194,7 +194,7 @@ def test_resume_reuses_finished_layers(text_file, tmp_path):
     kw = dict(texts=[text_file], tokens=200, codebook_size=8, b=64, seed=0, seq_len=128, quiet=True)
     first = cal.calibrate(m, ByteTokenizer(), partial_dir=tmp_path / "p", **kw)
     files = sorted((tmp_path / "p").glob("layer_*.safetensors"))
-    assert len(files) == 2 and (tmp_path / "p" / "collected.npz").is_file()
+    assert len(files) == 2 and list((tmp_path / "p").glob("collect_*.npz"))
     # Tamper with a saved layer: a resumed run must take it as is (proof it was reused).
     arrays, md = mx.load(str(files[0]), return_metadata=True)
     arrays["cz"] = arrays["cz"] + 1.0

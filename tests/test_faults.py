@@ -337,3 +337,141 @@ def test_nonfinite_codebook_arrays_are_refused():
     L = np.array(cb.layers[0].L) * 0.5
     with pytest.raises(ValueError, match="C = Cz L\\^-1 .*finite|non-finite|NaN/inf"):
         A2ATSCodebook(mx.array(Cz)[None], mx.array(L)[None])
+
+
+# ------------------------------------------------------------------ 2, 8, 9, 10. calibration runs
+
+from a2ats_ref import calibrate as cal  # noqa: E402
+from a2ats_ref import collect as col  # noqa: E402
+from test_calib_tiny import TEXT, ByteTokenizer, tiny_model  # noqa: E402
+
+CAL = dict(tokens=300, codebook_size=8, b=64, seed=0, seq_len=128, chunk=64, quiet=True)
+
+
+def _same_codebook(a, b) -> bool:
+    return all(np.array_equal(np.array(x), np.array(y)) for x, y in zip(a.cz + a.Ls, b.cz + b.Ls))
+
+
+def test_resume_after_the_corpus_changed_starts_over(tmp_path, capsys):
+    text = tmp_path / "calib.py"
+    text.write_text(TEXT)
+    m = tiny_model()
+    cal.calibrate(m, ByteTokenizer(), texts=[text], partial_dir=tmp_path / "p", **CAL)
+    text.write_text(TEXT.upper())        # same path, same token count, other tokens
+    resumed = cal.calibrate(m, ByteTokenizer(), texts=[text], partial_dir=tmp_path / "p", **{**CAL, "quiet": False})
+    fresh = cal.calibrate(m, ByteTokenizer(), texts=[text], **CAL)
+    assert _same_codebook(resumed, fresh), "the resumed run used statistics of the old text"
+    assert "different corpus" in capsys.readouterr().err
+
+
+LOCK_CHILD = """
+import time, a2ats_ref
+from a2ats_ref import calibrate as cal, collect as col
+from test_calib_tiny import ByteTokenizer, tiny_model
+orig = col.collect
+def slow(*a, **k):
+    print("go", flush=True)
+    time.sleep(1.0)
+    return orig(*a, **k)
+col.collect = slow
+cal.calibrate(tiny_model(), ByteTokenizer(), texts=[TEXTFILE], partial_dir=PARTIAL, tokens=300, codebook_size=8, b=64,
+              seq_len=128, chunk=64, quiet=True)
+"""
+
+
+def test_two_calibrations_to_one_out(tmp_path, capsys):
+    text = tmp_path / "calib.py"
+    text.write_text(TEXT)
+    out = tmp_path / "cb.safetensors"
+    partial = out.with_name(out.name + ".partial")
+    script = LOCK_CHILD.replace("TEXTFILE", repr(str(text))).replace("PARTIAL", repr(str(partial)))
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=TESTS,
+                             env={**os.environ, "PYTHONPATH": TESTS})
+    try:
+        assert child.stdout.readline().strip() == "go"
+        with pytest.raises(ValueError, match="is locked"):
+            cal.calibrate(tiny_model(), ByteTokenizer(), texts=[text], partial_dir=partial, **CAL)
+        # the CLI refuses before loading anything (the model path does not even exist)
+        rc = cal.main([str(tmp_path / "no-model.gguf"), "--out", str(out), "--text", str(text), "--quiet"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "is locked" in err and "Traceback" not in err
+    finally:
+        assert child.wait(timeout=120) == 0
+    assert not list(partial.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("case", ["exists", "folder", "no-parent"])
+def test_out_paths_are_checked_before_any_work(tmp_path, capsys, case):
+    out = {"exists": tmp_path / "cb.safetensors", "folder": tmp_path, "no-parent": tmp_path / "f.txt" / "cb.safetensors"}[case]
+    (tmp_path / "cb.safetensors").write_bytes(b"precious")
+    (tmp_path / "f.txt").write_text("")
+    rc = cal.main([str(tmp_path / "no-model.gguf"), "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--out" in err and "no-model" not in err, err
+    assert {"exists": "--force", "folder": "is a folder", "no-parent": "not an existing folder"}[case] in err
+    assert (tmp_path / "cb.safetensors").read_bytes() == b"precious"
+
+
+def test_force_replaces_an_existing_out(tmp_path, capsys):
+    (tmp_path / "cb.safetensors").write_bytes(b"old")
+    rc = cal.main([str(tmp_path / "no-model.gguf"), "--out", str(tmp_path / "cb.safetensors"), "--force", "--quiet"])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err   # got past the --out check to the model
+
+
+def test_too_few_distinct_tokens_fails_before_collecting(tmp_path, monkeypatch):
+    text = tmp_path / "calib.py"
+    text.write_text(TEXT)
+    def boom(*a, **k):
+        raise AssertionError("collected before checking K")
+    monkeypatch.setattr(col, "collect", boom)
+    n_distinct = len(set(ByteTokenizer().encode(TEXT)) | {0}) + 16   # text bytes, eos, UUID hex characters
+    with pytest.raises(ValueError, match=r"--codebook-size 128: .* distinct tokens .* use --codebook-size (16|32|64)"):
+        cal.calibrate(tiny_model(), ByteTokenizer(), texts=[text], **{**CAL, "codebook_size": 128})
+    assert n_distinct < 128
+
+
+def test_rerun_with_smaller_K_does_not_collect_again(tmp_path, monkeypatch):
+    text = tmp_path / "calib.py"
+    text.write_text(TEXT)
+    m = tiny_model()
+    cal.calibrate(m, ByteTokenizer(), texts=[text], partial_dir=tmp_path / "p", **{**CAL, "codebook_size": 16})
+    def boom(*a, **k):
+        raise AssertionError("collected again")
+    monkeypatch.setattr(col, "collect", boom)
+    cb = cal.calibrate(m, ByteTokenizer(), texts=[text], partial_dir=tmp_path / "p", **{**CAL, "codebook_size": 4})
+    assert cb.K == 4
+
+
+def test_collection_is_checkpointed(tmp_path, monkeypatch):
+    text = tmp_path / "calib.py"
+    text.write_text(TEXT)
+    m = tiny_model()
+    kw = {**CAL, "checkpoint_tokens": 128}
+    whole = cal.calibrate(m, ByteTokenizer(), texts=[text], **kw)
+    orig, calls = col.collect, []
+
+    def dies_on_second_group(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return orig(*a, **k)
+
+    monkeypatch.setattr(col, "collect", dies_on_second_group)
+    with pytest.raises(KeyboardInterrupt):
+        cal.calibrate(m, ByteTokenizer(), texts=[text], partial_dir=tmp_path / "p", **kw)
+    n_groups = len(cal._groups(cal.build_corpus(ByteTokenizer(), paths=[text], tokens=300, seq_len=128, seed=0).sequences, 128))
+    calls.clear()
+    monkeypatch.setattr(col, "collect", lambda *a, **k: (calls.append(1), orig(*a, **k))[1])
+    resumed = cal.calibrate(m, ByteTokenizer(), texts=[text], partial_dir=tmp_path / "p", **kw)
+    assert len(calls) == n_groups - 1 >= 2, "the finished group was collected again"
+    assert _same_codebook(resumed, whole)
+
+
+def test_bench_checks_its_output_paths_first(tmp_path, capsys):
+    from a2ats_ref import bench
+
+    rc = bench.main(["speed", "--tiny", "--json", str(tmp_path / "missing" / "r.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--json" in err and "missing" in err and "Traceback" not in err
+    rc = bench.main(["speed", "--tiny", "--json", str(tmp_path / "r.json"), "--md", str(tmp_path)])
+    assert rc == 2 and "--md" in capsys.readouterr().err and not (tmp_path / "r.json").exists()
