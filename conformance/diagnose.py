@@ -137,8 +137,9 @@ def help_lines(causes: list[dict], n_examples: int, limit: int = 3) -> list[str]
 
 
 def _jsonable_notes(notes: dict) -> dict:
-    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in notes.items()
-            if isinstance(v, (int, float, str, bool, list, tuple, np.ndarray, np.integer, np.floating)) or v is None}
+    from .pytest_helpers import _jsonable   # plain JSON types: the report crosses pytest-xdist workers
+
+    return {k: _jsonable(v.tolist() if isinstance(v, np.ndarray) else v) for k, v in notes.items()}
 
 
 def explain_failure(item, ctx, exc) -> None:

@@ -68,8 +68,8 @@ def parameter_note(ctx) -> str:
         parts.append(f"topk={p['topk']}")
     pos = [f"{k[4:]}={v}" for k, v in p.items() if k.startswith("pos:")]
     if "positions" in p and not any(x.startswith("positions=") for x in pos):
-        pos.insert(0, f"positions={p['positions']}")
-    (parts.append("positions " + ", ".join(pos)) if pos else absent.append("positions"))
+        pos.insert(0, str(p["positions"]) if p["positions"].startswith("the cache") else f"positions={p['positions']}")
+    (parts.append("positions: " + ", ".join(pos)) if pos else absent.append("positions"))
     parts.append(f"dtype {ctx.dtype}")
     if absent:
         parts.append(f"not inputs of this check: {', '.join(absent)}")

@@ -81,6 +81,9 @@ _KEEP_FAILURES = 6
 
 
 def _describe(x) -> str:
+    if isinstance(x, dict):   # e.g. a cache config: arrays by dtype and shape
+        return "{" + ", ".join(f"{k}: {_describe(v) if isinstance(v, np.ndarray) and v.size > 8 else v!r}"
+                               for k, v in x.items()) + "}"
     if isinstance(x, np.ndarray):
         return f"{x.dtype} {tuple(x.shape)}" if x.size > 8 else f"{x.dtype} {np.array2string(x, precision=6)}"
     return repr(x)

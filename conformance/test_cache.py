@@ -192,7 +192,11 @@ def test_codes_do_not_depend_on_position(ctx, setup, T, shift):
     for g in range(config["n_kv_heads"]):
         dist = oracle.assign_z_distances(k_pre[g].astype(np.float64), cfg["Cz"][g].astype(np.float64), cfg["L"][g].astype(np.float64))
         allowed = oracle.argmin_allowed(dist, ctx.margin("CACHE-FAR-CODES", dist))
-        ctx.assert_in_allowed(cb[g], allowed, clause="CACHE-FAR-CODES", what=f"shifted codes, KV head {g}", values=dist)
+        # the unshifted codes first: a wrong assignment rule must not read as a position dependence
+        ctx.assert_in_allowed(ca[g], allowed, clause="CACHE-FAR-CODES", values=dist,
+                              what=f"codes at positions 0..{T - 1} vs the Eq. 16 assignment of the pre-RoPE keys, KV head {g}")
+        ctx.assert_in_allowed(cb[g], allowed, clause="CACHE-FAR-CODES", values=dist,
+                              what=f"codes at positions {shift}..{shift + T - 1} (shifted by {shift}), KV head {g}")
         unique = allowed.sum(-1) == 1
         ctx.assert_equal(ca[g][unique], cb[g][unique], clause="CACHE-FAR-CODES", what=f"codes at p vs p+{shift}, KV head {g}")
 

@@ -36,24 +36,25 @@ def test_wrope_scores_match_oracle(ctx, data):
 @pytest.mark.clause("EQ-11")
 @given(data=st.data())
 def test_window_boundary(ctx, data):
-    """i - j = w - 1 is near (exact RoPE, R_(w-1)); i - j = w is far (R_b)."""
+    """i - j = w - 1 is near (exact RoPE, R_(w-1)); i - j = w and w + 1 are far (R_b). The third key tells an
+    inclusive window (w + 1 right) from a far side rotated by R_w or R_(i-j) (w + 1 wrong too)."""
     p = data.draw(hh.rope_params(max_dim=32), label="rope")
     w = data.draw(st.integers(1, 70), label="w")
     b = data.draw(st.sampled_from([0, 5, 2048]), label="b")
-    i = data.draw(st.integers(w, 3000), label="i")
+    i = data.draw(st.integers(w + 1, 3000), label="i")
     seed = data.draw(hh.seeds(), label="seed")
     rng = hh.rng_from(seed)
-    q, k = hh.normal(rng, (1, p["d"])), hh.normal(rng, (2, p["d"]))
-    pk = np.array([i - (w - 1), i - w])
+    q, k = hh.normal(rng, (1, p["d"])), hh.normal(rng, (3, p["d"]))
+    pk = np.array([i - (w - 1), i - w, i - w - 1])
     ctx.note(seed=seed, head_dim=p["d"], w=w, b=b, i=i, k_positions=pk.tolist())
     kw = dict(inv_freqs=p["inv_freqs"], traditional=p["traditional"])
     u = ctx.call("wrope_scores", q, k, w=w, b=b, q_positions=np.array([i]), k_positions=pk, **kw)
     qc, kc, inv = ctx.cast(q).astype(float), ctx.cast(k).astype(float), ctx.cast(p["inv_freqs"], param=True).astype(float)
     t = p["traditional"]
     near = float(np.sum(oracle.rope_apply(qc[0], i, inv, traditional=t) * oracle.rope_apply(kc[0], i - (w - 1), inv, traditional=t)))
-    far = float(np.sum(oracle.rope_apply(qc[0], b, inv, traditional=t) * kc[1]))
-    ctx.assert_close(np.asarray(u).reshape(-1), np.array([near, far]), clause="EQ-11",
-                     what="[u at i-j=w-1 (must be exact RoPE), u at i-j=w (must be q R_b k)]")
+    far = [float(np.sum(oracle.rope_apply(qc[0], b, inv, traditional=t) * kc[n])) for n in (1, 2)]
+    ctx.assert_close(np.asarray(u).reshape(-1), np.array([near] + far), clause="EQ-11",
+                     what="[u at i-j=w-1 (must be exact RoPE), u at i-j=w and w+1 (must be q R_b k)]")
 
 
 @pytest.mark.clause("EQ-11", "EQ-12", needs=("rope_apply", "far_query", "far_keys", "wrope_scores"))
