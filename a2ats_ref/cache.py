@@ -323,6 +323,10 @@ class A2ATSCache(_BaseCache):
 
     def _check_kv(self, keys, values):
         cb = self.codebook
+        for name, a in (("keys", keys), ("values", values)):
+            if not isinstance(a, mx.array) or a.dtype not in checks.FLOAT_DTYPES:
+                got = a.dtype if isinstance(a, mx.array) else type(a).__name__
+                raise ValueError(f"{name}: expected a float16, bfloat16 or float32 mx.array (as mlx-lm passes), got {got}")
         if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
             raise ValueError(
                 f"keys/values: expected (B, n_kv_heads, T, head_dim) arrays with matching leading dims, got "
@@ -448,6 +452,9 @@ class A2ATSCache(_BaseCache):
         if self.keys is None or self.offset == 0:
             raise ValueError("decode: the cache is empty; append the query's own key/value first (update_and_fetch)")
         cb, cfg = self.codebook, self.config
+        if not isinstance(queries, mx.array) or queries.dtype not in checks.FLOAT_DTYPES:
+            got = queries.dtype if isinstance(queries, mx.array) else type(queries).__name__
+            raise ValueError(f"queries: expected a float16, bfloat16 or float32 mx.array, got {got}")
         if (queries.ndim != 4 or queries.shape[2] != 1 or queries.shape[0] != self.keys.shape[0]
                 or queries.shape[3] != cb.head_dim):
             raise ValueError(

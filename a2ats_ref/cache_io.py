@@ -59,6 +59,9 @@ def save_a2ats_cache(path, caches, metadata: Optional[dict] = None) -> None:
     """
     path = _check_path(path)
     check_writable(path, "path")
+    if isinstance(caches, A2ATSCache) or not hasattr(caches, "__iter__"):
+        raise ValueError(f"caches: expected a list of A2ATSCache (one per layer), got {type(caches).__name__}; "
+                         "pass the list make_a2ats_cache returned")
     caches = list(caches)
     if not caches:
         raise ValueError("caches: expected a non-empty list of A2ATSCache (one per layer)")
@@ -66,6 +69,8 @@ def save_a2ats_cache(path, caches, metadata: Optional[dict] = None) -> None:
         if not isinstance(c, A2ATSCache):
             raise ValueError(f"caches[{i}]: expected an A2ATSCache, got {type(c).__name__}; use mlx-lm's "
                              "save_prompt_cache for mlx-lm caches")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ValueError(f"metadata: expected a dict of str -> str, got {type(metadata).__name__}")
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ValueError("metadata: expected a dict of str -> str")
     arrays, layers = {}, []

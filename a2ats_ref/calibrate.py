@@ -483,6 +483,22 @@ def check_out_path(out: Path, *, force: bool) -> Path:
     return partial
 
 
+def check_numbers(args) -> None:
+    """Numeric options, checked before the model loads (each message names its option)."""
+    import math
+
+    for opt, v, lo in (("--tokens", args.tokens, 1), ("--seq-len", args.seq_len, 1), ("--chunk", args.chunk, 1),
+                       ("--max-iter", args.max_iter, 1), ("--b", args.b, 0), ("--codebook-size", args.codebook_size, 1)):
+        if v < lo:
+            raise ValueError(f"{opt}: expected an integer >= {lo}, got {v}")
+    if args.codebook_size > 65536:
+        raise ValueError(f"--codebook-size: codes are at most 16-bit, so at most 65536, got {args.codebook_size}")
+    if not (math.isfinite(args.tol) and args.tol >= 0):
+        raise ValueError(f"--tol: expected a finite number >= 0, got {args.tol}")
+    if not (math.isfinite(args.uuid_fraction) and 0 <= args.uuid_fraction <= 10):
+        raise ValueError(f"--uuid-fraction: expected a number in [0, 10], got {args.uuid_fraction}")
+
+
 def partial_path(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
@@ -495,6 +511,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     partial = None
     try:
+        check_numbers(args)
         partial = check_out_path(out, force=args.force)
         src = gguf.smollm2_path() if args.model == "smollm2" else Path(args.model)
         with partial_lock(partial):  # taken before the model loads: a second run to the same --out stops at once

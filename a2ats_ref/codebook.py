@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .checks import check_cholesky_conditioning
-from .fileio import CHECKSUMS_KEY, atomic_save_safetensors, checksums, verify_checksums
+from .fileio import CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, verify_checksums
 
 FORMAT_NAME = "a2ats-codebook"
 FORMAT_VERSION = "1"
@@ -102,7 +102,11 @@ class Codebook:
         meta["n_kv_heads"] = self.n_kv_heads
         meta["codebook_size"] = self.K
         meta["head_dim"] = self.head_dim
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"codebook path {path}: cannot create its folder ({exc.strerror}); choose another path") from None
+        check_writable(path, "codebook path")
         md = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "a2ats": json.dumps(meta, sort_keys=True),
               CHECKSUMS_KEY: checksums(arrays)}
         return atomic_save_safetensors(path, arrays, md)  # never a half-written codebook under the final name
@@ -110,6 +114,8 @@ class Codebook:
     @classmethod
     def load(cls, path) -> "Codebook":
         path = Path(path)
+        if path.is_dir():
+            raise CodebookError(f"{path}: is a folder; pass the codebook file (.safetensors) a2ats-calibrate wrote")
         if not path.is_file():
             raise FileNotFoundError(f"codebook file not found: {path}")
         with open(path, "rb") as f:

@@ -475,3 +475,34 @@ def test_bench_checks_its_output_paths_first(tmp_path, capsys):
     assert rc == 2 and "--json" in err and "missing" in err and "Traceback" not in err
     rc = bench.main(["speed", "--tiny", "--json", str(tmp_path / "r.json"), "--md", str(tmp_path)])
     assert rc == 2 and "--md" in capsys.readouterr().err and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("opt, val", [("--tokens", "0"), ("--codebook-size", "70000"), ("--tol", "nan"),
+                                      ("--chunk", "0"), ("--uuid-fraction", "-1")])
+def test_calibrate_cli_numbers_are_checked_first(tmp_path, capsys, opt, val):
+    rc = cal.main([str(tmp_path / "no-model.gguf"), "--out", str(tmp_path / "cb.safetensors"), opt, val, "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and opt in err and "no-model" not in err, err
+
+
+def test_library_user_errors_are_value_errors(tmp_path):
+    cb = quiet_codebook()
+    c = _cache()
+    with pytest.raises(ValueError, match="keys: expected a float16"):
+        c.update_and_fetch(np.zeros((1, N_KV, 3, HEAD_DIM), np.float32), np.zeros((1, N_KV, 3, HEAD_DIM), np.float32))
+    with pytest.raises(ValueError, match="keys: expected a float16"):
+        c.update_and_fetch(mx.zeros((1, N_KV, 3, HEAD_DIM), mx.int32), mx.zeros((1, N_KV, 3, HEAD_DIM)))
+    c.update_and_fetch(*_kv(np.random.default_rng(0), 1, 3))
+    with pytest.raises(ValueError, match="queries: expected a float16"):
+        c.decode(mx.zeros((1, 2 * N_KV, 1, HEAD_DIM), mx.int32))
+    with pytest.raises(ValueError, match="caches: expected a list"):
+        save_a2ats_cache(tmp_path / "c.safetensors", c)
+    with pytest.raises(ValueError, match="metadata: expected a dict"):
+        save_a2ats_cache(tmp_path / "c.safetensors", [c], metadata=["x"])
+    with pytest.raises(ValueError, match="is a folder"):
+        Codebook([cb.layers[0].Cz], [cb.layers[0].L]).save(tmp_path)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="cannot create its folder"):
+        Codebook([cb.layers[0].Cz], [cb.layers[0].L]).save(tmp_path / "f" / "cb.safetensors")
+    with pytest.raises(CodebookError, match="is a folder"):
+        Codebook.load(tmp_path)
