@@ -106,10 +106,16 @@ class NotImplementedByIUT(Exception):
 
 def resolve_iut_spec(spec: str | None = None) -> str:
     """The IUT import path: explicit ``spec``, else $A2ATS_IUT, else the MLX reference adapter."""
-    if spec:
-        return spec
-    if os.environ.get(ENV_VAR):
-        return os.environ[ENV_VAR]
+    if spec is not None:
+        if not isinstance(spec, str) or not spec.strip():
+            raise AdapterError(f"IUT: --iut {spec!r} is empty; give 'package.module:object', or leave --iut out "
+                               "to test the MLX reference")
+        return spec.strip()
+    if ENV_VAR in os.environ:
+        if not os.environ[ENV_VAR].strip():
+            raise AdapterError(f"IUT: ${ENV_VAR} is set but empty; give 'package.module:object', or unset it to "
+                               "test the MLX reference")
+        return os.environ[ENV_VAR].strip()
     return DEFAULT_IUT
 
 

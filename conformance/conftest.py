@@ -8,6 +8,7 @@ from a2ats_conformance.plugin import (  # noqa: F401  (pytest finds hooks and fi
     pytest_generate_tests,
     pytest_report_header,
     pytest_runtest_call,
+    pytest_runtest_logstart,
     pytest_runtest_logreport,
     pytest_runtest_makereport,
     pytest_runtest_setup,

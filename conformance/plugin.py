@@ -27,6 +27,7 @@ from . import xfails as _xf
 from .adapter import (CACHE_FUNCTIONS, CLAUSE_FUNCTIONS, AdapterError, NotImplementedByIUT, describe,
                       has_function, load_adapter, resolve_iut_spec)
 from .pytest_helpers import Context, ConformanceFailure
+from .watchdog import DEFAULT_EXAMPLE_TIMEOUT_S, ExampleTimeout, dump_path, time_limit
 
 __all__ = ["PROFILES", "known_clauses", "item_clauses", "current_profile"]
 
@@ -101,16 +102,54 @@ def pytest_addoption(parser):
     g.addoption("--a2ats-results", default=None, help="write per-test results as JSON to this file")
     g.addoption("--counterexample-dir", default=None, help="where failing examples are saved as .npz")
     g.addoption("--clauses", default=None, help="comma-separated clause IDs: run only tests citing one of them")
+    g.addoption("--a2ats-example-timeout", type=float, default=DEFAULT_EXAMPLE_TIMEOUT_S,
+                help="seconds per example before the test fails as 'timeout' (0: no limit)")
+    # Set by the supervising a2ats-conformance process (supervisor.py):
+    g.addoption("--a2ats-stream", default=None, help="append one JSON line per event (configured, start, test, finish)")
+    g.addoption("--a2ats-run-dir", default=None, help="this run's scratch folder (native-hang stack dumps)")
+    g.addoption("--a2ats-skip", default=None, help="file of test ids already run (a restarted run skips them)")
+    g.addoption("--a2ats-repro-prefix", default="", help="environment the repro command needs (PYTHONPATH=...)")
+
+
+def _emit(config, event: str, **data) -> None:
+    """Append one event to the stream the supervisor reads (one write: lines of parallel writers never mix)."""
+    path = config.getoption("a2ats_stream", None)
+    if not path:
+        return
+    line = json.dumps(dict(data, event=event), default=str) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _load_iut(config, spec):
+    """Load the adapter; an exit, a hang or an error while importing it is reported, not run past."""
+    import faulthandler
+
+    limit = max(120.0, 4 * (config.getoption("a2ats_example_timeout") or 0))
+    faulthandler.dump_traceback_later(limit, exit=True)
+    try:
+        return load_adapter(spec)
+    except AdapterError as exc:
+        msg = str(exc)
+    except SystemExit as exc:
+        msg = f"IUT {spec!r}: the adapter called sys.exit({exc.code!r}) while being imported or instantiated"
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    _emit(config, "error", message=msg)
+    raise pytest.UsageError(msg)
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "clause(*ids, needs=(), requires={}): spec clauses this property checks "
                             "(a2ats_spec.clauses), the adapter callables and the capabilities it needs")
-    spec = resolve_iut_spec(config.getoption("iut"))
     try:
-        adapter = load_adapter(spec)
+        spec = resolve_iut_spec(config.getoption("iut"))
     except AdapterError as exc:
         raise pytest.UsageError(str(exc)) from None
+    adapter = _load_iut(config, spec)
     want = config.getoption("a2ats_dtype")
     if want in (None, ""):
         dtypes = [adapter.dtypes[0]]
@@ -133,9 +172,12 @@ def pytest_configure(config):
     config.stash[_STATE] = {
         "adapter": adapter, "spec": spec, "dtypes": dtypes, "deviations": devs, "caps": caps,
         "only": {c.strip() for c in clauses.split(",")} if clauses else None,
-        "tests": {}, "t0": time.time(),
+        "tests": {}, "t0": time.time(), "run_dir": config.getoption("a2ats_run_dir"),
     }
     _ACTIVE.append(config)
+    if not hasattr(config, "workerinput"):
+        _emit(config, "configured", pid=os.getpid(),
+              implementation=describe(adapter, spec) | {"dtype": ",".join(dtypes)})
     prof = getattr(config.option, "hypothesis_profile", None)
     if not prof:
         settings.load_profile("ci")
@@ -173,9 +215,17 @@ def pytest_collection_modifyitems(session, config, items):
             if _xf.matches(d, item.nodeid, cl):
                 item.add_marker(pytest.mark.xfail(reason=f"known deviation: {d.reason}", strict=False))
                 break
+    done = set()
+    if config.getoption("a2ats_skip"):
+        with open(config.getoption("a2ats_skip"), encoding="utf-8") as f:
+            done = {line.rstrip("\n") for line in f if line.strip()}
+    if done:
+        drop += [it for it in keep if it.nodeid in done]
+        keep = [it for it in keep if it.nodeid not in done]
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    _emit(config, "collected", tests={it.nodeid: list(item_clauses(it)) for it in keep})
 
 
 def pytest_runtest_setup(item):
@@ -192,7 +242,8 @@ def pytest_runtest_setup(item):
 def ctx(request, dtype):
     st = request.config.stash[_STATE]
     c = Context(st["adapter"], iut_spec=st["spec"], dtype=dtype, clauses=item_clauses(request.node),
-                nodeid=request.node.nodeid, counterexample_dir=request.config.getoption("counterexample_dir"))
+                nodeid=request.node.nodeid, counterexample_dir=request.config.getoption("counterexample_dir"),
+                repro_prefix=request.config.getoption("a2ats_repro_prefix"))
     request.node._a2ats_ctx = c
     return c
 
@@ -201,17 +252,21 @@ def ctx(request, dtype):
 def pytest_runtest_call(item):
     ctx = getattr(item, "_a2ats_ctx", None)
     h = getattr(getattr(item, "obj", None), "hypothesis", None)
+    limit = item.config.getoption("a2ats_example_timeout")
+    dump = dump_path(item.config.getoption("a2ats_run_dir"), item.nodeid)
     if ctx is None or h is None:
         if ctx is not None:
             ctx.begin_example()
-        yield
+        with time_limit(limit, dump):
+            yield
         return
     inner = h.inner_test
 
     @functools.wraps(inner)
     def counted(*args, **kwargs):
         ctx.begin_example()
-        return inner(*args, **kwargs)
+        with time_limit(limit, dump):
+            return inner(*args, **kwargs)
 
     h.inner_test = counted
     try:
@@ -240,6 +295,8 @@ def pytest_runtest_makereport(item, call):
         rep.outcome = "skipped"
         rep.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {missing}")
     elif rep.failed and ctx is not None:
+        if _timed_out(call.excinfo.value):
+            info["timeout"] = True
         cex = ctx.last_failure
         if cex is None or not call.excinfo.errisinstance(ConformanceFailure):
             path = ctx.save_counterexample()
@@ -248,6 +305,10 @@ def pytest_runtest_makereport(item, call):
             rep.sections.append(("a2ats repro", cex["repro"]))
         info["counterexample"] = cex
     rep.user_properties.append(("a2ats", info))
+
+
+def _timed_out(exc) -> bool:
+    return isinstance(exc, ExampleTimeout) or any(_timed_out(e) for e in getattr(exc, "exceptions", None) or ())
 
 
 def _record(st, rep):
@@ -268,8 +329,25 @@ def _record(st, rep):
         rec["reason"] = reason
     elif rep.failed:
         rec["outcome"] = "fail"
+        text = str(rep.longreprtext)
+        if info and info.get("timeout"):
+            rec["outcome"] = "timeout"
+        elif "crashed while running" in text:   # pytest-xdist: the worker process died in this test
+            dump = dump_path(st["run_dir"], rep.nodeid)
+            hung = bool(dump) and os.path.exists(dump) and os.path.getsize(dump) > 0
+            rec["outcome"] = "timeout" if hung else "crash"
+            rec["counterexample"] = {"clause": None, "message": (
+                "a call into the IUT hung in native code past --example-timeout; the worker process was ended" if hung
+                else "the worker process died while running this test (the IUT called os._exit, or crashed)")
+                + "\n" + text[-1000:]}
         if "counterexample" not in rec:
-            rec["counterexample"] = {"message": str(rep.longreprtext)[-2000:]}
+            rec["counterexample"] = {"message": text[-2000:]}
+
+
+def pytest_runtest_logstart(nodeid, location):
+    config = _ACTIVE[-1] if _ACTIVE else None
+    if config is not None and not hasattr(config, "workerinput"):
+        _emit(config, "start", nodeid=nodeid)
 
 
 def pytest_runtest_logreport(report):
@@ -279,6 +357,7 @@ def pytest_runtest_logreport(report):
         return
     if report.when in ("setup", "call") or report.failed:
         _record(st, report)
+        _emit(config, "test", nodeid=report.nodeid, when=report.when, record=st["tests"][report.nodeid])
 
 
 def pytest_sessionstart(session):
@@ -307,9 +386,13 @@ def pytest_sessionfinish(session, exitstatus):
         return
     st = config.stash.get(_STATE, None)
     path = config.getoption("a2ats_results")
-    if not st or not path:
+    if not st:
         return
     stale = _xf.unmatched(st["deviations"], {k: v["clauses"] for k, v in st["tests"].items()}, warn=False)
+    _emit(config, "finish", exitstatus=int(exitstatus),
+          xfail_warnings=[f"line {d.lineno}: {d.pattern!r} matches no clause or test" for d in stale])
+    if not path:
+        return
     out = {
         "implementation": describe(st["adapter"], st["spec"]) | {"dtype": ",".join(st["dtypes"])},
         "hypothesis_profile": current_profile(),

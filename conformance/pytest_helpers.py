@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import sys
 import tempfile
 
 import numpy as np
@@ -36,6 +38,13 @@ class ConformanceFailure(AssertionError):
 
 def default_counterexample_dir() -> str:
     return os.environ.get("A2ATS_COUNTEREXAMPLES") or os.path.join(tempfile.gettempdir(), "a2ats-counterexamples")
+
+
+def repro_command(path: str, iut_spec: str, prefix: str = "") -> str:
+    """One copy-paste line: this interpreter (full path), the saved example, the IUT and the import path
+    the IUT needs from a plain shell (``prefix``, e.g. ``PYTHONPATH=/where/the/adapter/lives``)."""
+    line = f"{shlex.quote(sys.executable)} -m a2ats_conformance.repro {shlex.quote(path)} --iut {shlex.quote(iut_spec)}"
+    return f"{prefix} {line}" if prefix else line
 
 
 def _round_bf16(x: np.ndarray) -> np.ndarray:
@@ -107,13 +116,14 @@ class Context:
     """State of one conformance test (shared by all its Hypothesis examples)."""
 
     def __init__(self, adapter, *, iut_spec: str, dtype: str, clauses: tuple[str, ...], nodeid: str,
-                 counterexample_dir: str | None = None):
+                 counterexample_dir: str | None = None, repro_prefix: str = ""):
         self.iut = adapter
         self.iut_spec = iut_spec
         self.dtype = dtype
         self.clauses = clauses
         self.nodeid = nodeid
         self.counterexample_dir = counterexample_dir or default_counterexample_dir()
+        self.repro_prefix = repro_prefix
         self.examples = 0
         self.calls: list[tuple[str, tuple, dict]] = []
         self.outputs: dict[int, object] = {}   # index into calls -> the IUT's result of that call
@@ -314,7 +324,7 @@ class Context:
     def repro_command(self, path: str | None) -> str:
         if path is None:
             return "(no IUT call was made before the failure)"
-        return f"python -m a2ats_conformance.repro {path} --iut {self.iut_spec}"
+        return repro_command(path, self.iut_spec, self.repro_prefix)
 
     def _keep_failure(self, clause: str, headline: str) -> None:
         snap = {"clause": clause, "headline": headline, "calls": list(self.calls), "outputs": dict(self.outputs),

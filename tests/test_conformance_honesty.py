@@ -2,6 +2,12 @@
 does not support not-applicable / not-implemented (never fail).  Adapters: tests/honesty_adapters/."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +45,103 @@ def test_not_implemented_inside_an_exception_group():
     err = NotImplementedByIUT("trim", owner="cache")
     group = ExceptionGroup("hypothesis found 2 distinct failures", [ValueError("other"), ExceptionGroup("x", [err])])
     assert _not_implemented(group) is err and _not_implemented(ValueError()) is None
+
+
+# --------------------------------------------------------------------------- honest runs (subprocesses)
+
+ROOT = Path(__file__).resolve().parent
+CLI = [sys.executable, "-m", "a2ats_conformance.cli"]
+FAST = ["--profile", "selftest", "--seed", "0", "-q", "--clauses", "RET-TOPK,ROPE-FREQ"]
+
+
+def _cli(tmp_path, *args, env=None, name="r"):
+    """Run a2ats-conformance in a subprocess (an IUT may take the process down); -> (exit, report, md, stderr)."""
+    js, md = tmp_path / f"{name}.json", tmp_path / f"{name}.md"
+    env = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT))
+    p = subprocess.run([*CLI, *args, "--report-json", str(js), "--report-md", str(md)], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    rep = json.loads(js.read_text()) if js.exists() else None
+    return p.returncode, rep, md.read_text() if md.exists() else "", p.stderr
+
+
+def _statuses(rep):
+    return {c: v["status"] for c, v in rep["clauses"].items()}
+
+
+def _no_unearned_pass(rep):
+    assert not [c for c, v in rep["clauses"].items() if v["status"] == "pass" and v["examples"] == 0], rep["clauses"]
+
+
+def test_ctrl_c_writes_reports_and_no_unearned_pass(tmp_path):
+    marker = tmp_path / "started"
+    js, md = tmp_path / "r.json", tmp_path / "r.md"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), A2ATS_TEST_MARKER=str(marker))
+    p = subprocess.Popen([*CLI, "--iut", "honesty_adapters.misbehave:Slow", *FAST, "--report-json", str(js),
+                          "--report-md", str(md)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline:   # ROPE-FREQ (1 s per call) has started
+        time.sleep(0.1)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    code = p.wait(timeout=120)
+    rep = json.loads(js.read_text())
+    assert code == 3 and rep["run"]["interrupted"] and not rep["run"]["complete"]
+    assert _statuses(rep) == {"RET-TOPK": "pass", "ROPE-FREQ": "interrupted"}, rep["clauses"]
+    _no_unearned_pass(rep)
+    assert "interrupted (Ctrl-C)" in md.read_text()
+
+
+def test_empty_iut_is_an_error(tmp_path):
+    code, rep, _, err = _cli(tmp_path, "--iut", "", *FAST)
+    assert code == 2 and rep is None and "--iut '' is empty" in err
+    code, _, _, err = _cli(tmp_path, *FAST, env=dict(os.environ, A2ATS_IUT=" "))
+    assert code == 2 and "A2ATS_IUT is set but empty" in err
+
+
+@pytest.mark.parametrize("module, says", [("exit_on_import", "called sys.exit(0) while being imported"),
+                                          ("hard_exit_on_import", "exited with status 0 before the IUT was loaded")])
+def test_exit_on_import_is_reported(tmp_path, module, says):
+    code, rep, md, _ = _cli(tmp_path, "--iut", f"honesty_adapters.{module}", *FAST)
+    assert code == 2 and says in rep["run"]["error"] and says in md
+    assert set(_statuses(rep).values()) == {"untested"}
+
+
+@pytest.mark.parametrize("adapter, n, status", [("ExitInCall", "1", "crash"), ("ExitInCall", "2", "crash"),
+                                                ("SysExitInCall", "1", "fail")])
+def test_exit_inside_a_call_fails_its_clause_and_the_run_goes_on(tmp_path, adapter, n, status):
+    code, rep, _, _ = _cli(tmp_path, "--iut", f"honesty_adapters.misbehave:{adapter}", *FAST, "-n", n)
+    assert code == 1 and _statuses(rep) == {"RET-TOPK": status, "ROPE-FREQ": "pass"}, rep["clauses"]
+    assert rep["run"]["complete"]
+
+
+@pytest.mark.parametrize("adapter", ["Hang", "NativeHang"])
+def test_a_hang_is_a_timeout(tmp_path, adapter):
+    t0 = time.time()
+    code, rep, _, _ = _cli(tmp_path, "--iut", f"honesty_adapters.misbehave:{adapter}", *FAST, "--example-timeout", "1")
+    assert code == 1 and _statuses(rep) == {"RET-TOPK": "timeout", "ROPE-FREQ": "pass"}, rep["clauses"]
+    assert time.time() - t0 < 120
+
+
+def test_concurrent_runs_get_their_own_counterexamples(tmp_path):
+    args = ["--iut", "a2ats_conformance.mutants:TopkCeil", "--profile", "selftest", "--seed", "0", "-q",
+            "--clauses", "RET-TOPK", "--counterexample-dir", str(tmp_path / "cex")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([*CLI, *args, "--report-json", str(tmp_path / f"{i}.json")], env=env,
+                              stdout=subprocess.DEVNULL) for i in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [1, 1]
+    reps = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2)]
+    dirs = {r["run"]["counterexample_dir"] for r in reps}
+    npz = {r["clauses"]["RET-TOPK"]["counterexample"]["npz"] for r in reps}
+    assert len(dirs) == 2 and len(npz) == 2
+    assert all(Path(p).exists() and Path(p).parent.parent == tmp_path / "cex" for p in npz)
+
+
+@pytest.mark.parametrize("flag", ["--report-json", "--report-md"])
+def test_bad_report_path_is_rejected_before_the_run(tmp_path, flag):
+    t0 = time.time()
+    p = subprocess.run([*CLI, "--profile", "quick", flag, str(tmp_path / "no" / "such" / "dir" / "r.out")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and f"{flag} " in p.stderr and "cannot be written" in p.stderr
+    assert "conformance:" not in p.stdout and time.time() - t0 < 60    # no suite ran
+    p = subprocess.run([*CLI, "--profile", "quick", flag, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "is a folder" in p.stderr

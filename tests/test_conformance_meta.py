@@ -187,17 +187,17 @@ def test_xfails_file_marks_a_failing_clause_xfail(tmp_path):
     assert any("test_nothing.py::test_gone" in w for w in rep["xfail_warnings"])
 
 
-def test_missing_callable_is_not_implemented_only(tmp_path):
+def test_missing_callable_is_not_implemented_only(tmp_path, monkeypatch):
     import json
 
     from a2ats_conformance.cli import main
 
-    mod = types.ModuleType("_a2ats_partial_adapter")
-    mod.name, mod.version, mod.dtypes = "partial", "0", ("float64",)
-    mod.topk_count = oracle.topk_count
-    sys.modules[mod.__name__] = mod
+    # A module file, not an in-memory module: the suite runs in a child process, which imports the IUT itself.
+    (tmp_path / "_a2ats_partial_adapter.py").write_text(
+        'from a2ats_spec.oracle import topk_count\nname, version, dtypes = "partial", "0", ("float64",)\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "r.json"
-    code = main(["--iut", mod.__name__, "--profile", "selftest", "--seed", "0", "-q", "--clauses",
+    code = main(["--iut", "_a2ats_partial_adapter", "--profile", "selftest", "--seed", "0", "-q", "--clauses",
                  "RET-TOPK,EQ-11,INPUT-ERRORS", "--report-json", str(out)])
     rep = json.loads(out.read_text())
     st_ = {c: v["status"] for c, v in rep["clauses"].items()}

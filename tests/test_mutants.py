@@ -2,6 +2,7 @@
 
 import io
 import json
+import sys
 
 import pytest
 
@@ -46,7 +47,7 @@ def test_mutant_is_rejected_on_its_clause(tmp_path, name):
     assert verdict["status"] == "fail"
     cex = verdict["counterexample"]
     assert cex.get("clause") == cls.expected_clause, cex      # the failing assertion names the clause
-    assert "python -m a2ats_conformance.repro" in cex["repro"]
+    assert cex["repro"].startswith(f"{sys.executable} -m a2ats_conformance.repro ")   # copy-paste: full interpreter path
     meta, calls = load_counterexample(cex["npz"])              # reloads without pickle
     assert calls and meta["dtype"] == "float32" and meta["iut"].endswith(name)
     rows = replay(cex["npz"], out=io.StringIO())                # the repro command's engine runs
