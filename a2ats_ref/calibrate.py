@@ -149,7 +149,7 @@ def _check_distinct_tokens(corpus, K: int, *, tokenizer, texts, tokens, uuid_fra
         return
     hint = ""
     budget = tokens
-    for _ in range(6):  # how many text tokens would give K distinct ones (tokenising is cheap next to collecting)
+    for _ in range(4):  # how many text tokens would give K distinct ones (tokenising is cheap next to collecting)
         budget *= 2
         bigger = build_corpus(tokenizer, paths=texts, tokens=budget, uuid_fraction=uuid_fraction, seq_len=seq_len,
                               seed=seed)

@@ -58,6 +58,8 @@ def user_files(paths: Iterable) -> list[Path]:
             if not found:
                 raise ValueError(f"--text: folder {p} holds no text files ({', '.join(TEXT_SUFFIXES)})")
             out.extend(found)
+        elif not p.is_file():  # a device or pipe (/dev/zero, a FIFO) would be read forever
+            raise ValueError(f"--text: {p} is not a regular file or folder; pass text files or folders of them")
         else:
             out.append(p)
     return out

@@ -506,3 +506,11 @@ def test_library_user_errors_are_value_errors(tmp_path):
         Codebook([cb.layers[0].Cz], [cb.layers[0].L]).save(tmp_path / "f" / "cb.safetensors")
     with pytest.raises(CodebookError, match="is a folder"):
         Codebook.load(tmp_path)
+
+
+def test_text_that_never_ends_is_refused(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for p in (fifo, Path("/dev/zero")):
+        with pytest.raises(ValueError, match="not a regular file"):
+            cal.build_corpus(ByteTokenizer(), paths=[p], tokens=100)
