@@ -127,8 +127,8 @@ class LayerCodebook:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this layer's codebook holds: Cz, L, C and the derived operands built so far (CT after the
-        first decode, z_operands after the first append; each about as large as C or Cz)."""
+        """Bytes this layer's codebook holds: Cz, L, C and the derived decode/assignment operands (CT,
+        z_operands), which are about as large again; from_z builds them up front."""
         derived = [self.__dict__[k] for k in ("CT", "z_operands") if k in self.__dict__]
         flat = [a for x in derived for a in (x if isinstance(x, tuple) else (x,))]
         return self.Cz.nbytes + self.L.nbytes + self.C.nbytes + sum(a.nbytes for a in flat)
@@ -137,8 +137,8 @@ class LayerCodebook:
     def CT(self) -> mx.array:
         """C transposed to (n_kv, d, K), contiguous float32: the LUT operand of the decode kernel.
 
-        Built on first use and kept on the codebook, so every cache of this layer (one per prompt)
-        shares it instead of transposing C on each decode step. Counted in nbytes once built.
+        Kept on the codebook, so every cache of this layer (one per prompt) shares it instead of
+        transposing C on each decode step. Counted in nbytes.
         """
         return prepare_codebook(self.C)
 
@@ -163,7 +163,9 @@ class LayerCodebook:
         C = back_transform(Cz, L)  # EQ-18, batched over KV heads
         mx.eval(C)
         checks.check_finite(C, "C = Cz L^-1 (EQ-18)")
-        return cls(Cz=Cz, L=L, C=C)
+        lc = cls(Cz=Cz, L=L, C=C)
+        lc.CT, lc.z_operands  # noqa: B018 - built now, so nbytes is what the codebook holds in use
+        return lc
 
 
 class A2ATSCodebook:
