@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from a2ats_spec import oracle as _o
+from a2ats_spec.oracle_cache import OracleCache
 
 __all__ = ["Deviation", "DEVIATIONS", "DeviantAdapter", "Model", "ModelCache", "by_id"]
 
@@ -266,82 +267,70 @@ class Model:
         return ModelCache(config, self)
 
 
-class ModelCache:
-    """The adapter cache protocol (README-ADAPTER.md) on a Model: codes at append, decode via the
-    Model's decode_step. Trim hooks: ``trim_codes`` (drop the trimmed codes) and ``trim_counter``
-    (roll back the position counter used to code later tokens)."""
+class ModelCache(OracleCache):
+    """OracleCache (spec/oracle_cache.py) with its codes and decode taken from a Model, so that a deviation
+    of the model is a variant of the oracle cache. Trim hooks: ``trim_codes`` (drop the trimmed codes) and
+    ``trim_counter`` (roll back the position counter used to code later tokens). save/load keep the state
+    in memory: diagnosis replays run after the test's temporary files are gone."""
 
     trim_codes = True
     trim_counter = True
     step = 256   # buffer growth of the mlx-lm KV cache: the capacity a port may count top-k over
 
     def __init__(self, config, model: Model):
+        super().__init__(config)
         self.m = model
-        self.cfg = {k: (_f(v) if isinstance(v, np.ndarray) else v) for k, v in config.items()}
-        n_kv, d = self.cfg["n_kv_heads"], self.cfg["head_dim"]
-        self.keys = np.zeros((n_kv, 0, d))
-        self.values = np.zeros((n_kv, 0, d))
-        self._codes = np.zeros((n_kv, 0), np.int64)
-        self._stale = np.zeros((n_kv, 0), np.int64)   # codes left behind by a trim that keeps them
-        self.counter = 0                               # next position used for coding
-
-    @property
-    def offset(self) -> int:
-        return self.keys.shape[1]
+        self._stale = np.zeros((self.B, self.n_kv, 0), np.int64)   # codes left behind by a trim that keeps them
+        self._counter = 0                                          # next position used for coding
 
     def append(self, keys_post, values):
-        k, v = _f(keys_post), _f(values)
-        if self.values.shape[1] == 0:
-            self.values = np.zeros((k.shape[0], 0, v.shape[-1]))
-        t, start = k.shape[1], self.offset
-        cfg = self.cfg
-        coding_pos = np.arange(self.counter, self.counter + t)
-        k_pre = self.m.far_key(k, coding_pos, cfg["inv_freqs"], cfg["traditional"])
-        codes = np.asarray(self.m.code_keys(k_pre, cfg), np.int64)
-        keep = min(t, max(0, self._stale.shape[1] - start))
+        k = self._in(keys_post, "keys_post", (self.n_kv, None, self.d))
+        v = self._in(values, "values", (self.n_kv, k.shape[-2], None))
+        t, start = k.shape[-2], self.offset
+        coding = np.arange(self._counter, self._counter + t)
+        books = {"Cz": self.Cz, "L": self.L, "C": self.C}
+        codes = np.stack([np.asarray(self.m.code_keys(self.m.far_key(k[r], coding, self.inv_freqs, self.traditional),
+                                                      books), np.int64) for r in range(self.B)])
+        keep = min(t, max(0, self._stale.shape[-1] - start))
         if keep:
-            codes[:, :keep] = self._stale[:, start:start + keep]
-        self.keys = np.concatenate([self.keys, k], axis=1)
-        self.values = np.concatenate([self.values, self.m.attention_values(v)], axis=1)
-        self._codes = np.concatenate([self._codes, codes], axis=1)
-        self.counter += t
-
-    def codes(self):
-        return self._codes.astype(_o.code_dtype(self.cfg["Cz"].shape[1]))
-
-    def positions(self):
-        return np.arange(self.offset)
-
-    def keys_values(self):
-        return self.keys, self.values
+            codes[..., :keep] = self._stale[..., start:start + keep]
+        if self.offset == 0:
+            self._v = np.zeros(v.shape[:2] + (0, v.shape[-1]))
+        self._k = np.concatenate([self._k, k], axis=2)
+        self._v = np.concatenate([self._v, self.m.attention_values(v)], axis=2)
+        self._c = np.concatenate([self._c, codes], axis=2)
+        self._counter += t
 
     def decode(self, q_post):
-        c = self.cfg
+        q = self._in(q_post, "q_post", (self.n_q, self.d))
+        self._need_tokens("decode")
+        c = self.config
         cap = -(-self.offset // self.step) * self.step
-        return self.m.decode_step(q_post, self.keys, self.values, self._codes, c["C"], query_pos=self.offset - 1,
-                                  b=c["b"], w=c["w"], sinks=c["sinks"], topk=c["topk"], inv_freqs=c["inv_freqs"],
-                                  traditional=c["traditional"], scale=c.get("scale"), return_mask=True, capacity=cap)
-
-    def prefill(self, q_post):
-        return _o.prefill_attention(_f(q_post), self.keys, self.values, scale=self.cfg.get("scale"))
+        rows = [self.m.decode_step(q[r], self._k[r], self._v[r], self._c[r], self.C, query_pos=self.offset - 1,
+                                   b=c["b"], w=c["w"], sinks=c["sinks"], topk=c["topk"], inv_freqs=self.inv_freqs,
+                                   traditional=self.traditional, scale=self.scale, return_mask=True, capacity=cap)
+                for r in range(self.B)]
+        return self._out(np.stack([o for o, _ in rows])), self._out(np.stack([m for _, m in rows]))
 
     def trim(self, n):
-        n = min(int(n), self.offset)
-        end = self.offset - n
         if not self.trim_codes:
-            self._stale = np.concatenate([self._codes, self._stale[:, self._codes.shape[1]:]], axis=1)
-        self.keys, self.values, self._codes = self.keys[:, :end], self.values[:, :end], self._codes[:, :end]
+            self._stale = np.concatenate([self._c, self._stale[..., self._c.shape[-1]:]], axis=-1)
+        n = super().trim(n)
         if self.trim_counter:
-            self.counter = end
+            self._counter = self.offset
         return n
 
+    def copy(self):
+        other = type(self)(self.config, self.m)
+        other._k, other._v, other._c = self._k.copy(), self._v.copy(), self._c.copy()
+        other._stale, other._counter = self._stale.copy(), self._counter
+        return other
+
     def save(self, path):
-        self._saved = (self.keys.copy(), self.values.copy(), self._codes.copy(), self.counter)
+        self._saved = self.copy()
 
     def load(self, path):
-        other = type(self)(self.cfg, self.m)
-        other.keys, other.values, other._codes, other.counter = self._saved
-        return other
+        return self._saved.copy()
 
 
 # ---------------------------------------------------------------------------------------- deviations
