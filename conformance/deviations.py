@@ -75,6 +75,9 @@ class Model:
     def voters(self, G):                     # RET-SELECT: every head of the group votes (union)
         return range(G)
 
+    def ranking(self, scores):               # RET-SELECT: each head ranks by its own scores
+        return scores
+
     def pooled_heads(self, G):               # EQ-10: H pools every head of the group
         return range(G)
 
@@ -201,7 +204,7 @@ class Model:
         if k == 0 and not forced.any():      # RET-SELECT: never empty, the query's own token instead
             forced = forced.copy()
             forced[i] = True
-        flat = s.reshape((-1, n_q, T))
+        flat = self.ranking(s).reshape((-1, n_q, T))
         picked = np.zeros((flat.shape[0], n_kv_heads, T), dtype=bool)
         for n in range(flat.shape[0]):
             for g in range(n_kv_heads):
@@ -333,6 +336,32 @@ class ModelCache(OracleCache):
         return self._saved.copy()
 
 
+class _RowZeroSelection(ModelCache):
+    """Batched decode: every row attends its own keys over row 0's selection."""
+
+    def decode(self, q_post):
+        out, mask = super().decode(q_post)
+        if not self.batched or self.B < 2:
+            return out, mask
+        q = self._in(q_post, "q_post", (self.n_q, self.d))
+        mask = np.broadcast_to(mask[:1], mask.shape).copy()
+        out = np.stack([self.m._attend(q[r], self._k[r], self._v[r], mask[r].astype(np.int64), self.scale)
+                        for r in range(self.B)])
+        return out, mask
+
+
+class _ChunkRerotated(ModelCache):
+    """A chunk appended after the first is stored rotated again by its start offset (codes stay right)."""
+
+    def append(self, keys_post, values):
+        start = self.offset
+        super().append(keys_post, values)
+        if start:
+            t = self._k.shape[2] - start
+            self._k[:, :, start:] = _o.rope_apply(self._k[:, :, start:], np.full(t, start), self.inv_freqs,
+                                                  traditional=self.traditional)
+
+
 # ---------------------------------------------------------------------------------------- deviations
 
 @dataclass(frozen=True)
@@ -373,8 +402,8 @@ def _model(name, doc, **hooks):
     return type(name, (Model,), dict(hooks, __doc__=doc))
 
 
-def _cache_model(name, doc, **attrs):
-    cache = type(name + "Cache", (ModelCache,), attrs)
+def _cache_model(name, doc, base=None, **attrs):
+    cache = type(name + "Cache", (base or ModelCache,), attrs)
     return type(name, (Model,), {"__doc__": doc, "make_cache": lambda self, config: cache(config, self)})
 
 
@@ -410,6 +439,18 @@ def _lowp(name, dtype, **which):
     if "values" in which:
         hooks["attention_values"] = lambda self, v: _round(v, dtype)
     return _model(name, f"{dtype} {sorted(which)}", **hooks)
+
+
+def _lut_f16_arith(self, q_b, C, scale):
+    """q_b and C in float16, float16 products and scale (NumPy float16 arithmetic)."""
+    q16, C16 = np.asarray(q_b).astype(np.float16), np.asarray(C).astype(np.float16)
+    n_q, d = q16.shape[-2:]
+    G = n_q // C16.shape[0]
+    s = np.float16(1.0 / math.sqrt(d) if scale is None else scale)
+    out = np.empty(q16.shape[:-1] + (C16.shape[1],))
+    for h in range(n_q):
+        out[..., h, :] = (q16[..., h, :] @ C16[h // G].T) * s
+    return out
 
 
 def _int8_values(self, v):
@@ -480,7 +521,9 @@ DEVIATIONS: tuple[Deviation, ...] = (
          _model("SinksNotForced", "no sinks", is_sink=lambda self, j, sinks: np.zeros(np.shape(j), bool))),
     _dev("gqa-one-head", "no GQA union: each KV head keeps the top-k of one query head of its group, not the "
          "union over the group's heads", _SELECT,
-         _model("OneHeadVotes", "first head votes", voters=lambda self, G: range(1))),
+         _model("OneHeadVotes", "first head votes", voters=lambda self, G: range(1)),
+         _model("HeadZeroRanks", "every head ranks by query head 0",
+                ranking=lambda self, s: np.broadcast_to(s[..., :1, :], s.shape))),
     _dev("h-one-head", "H from one query head per GQA group, not pooled over the group's heads", {"query_moment"},
          _model("HOneHead", "first head pooled", pooled_heads=lambda self, G: range(1))),
     _dev("topk-over-T", "top-k count int(topk·T) over the whole score row (T tokens) instead of the i + 1 tokens "
@@ -530,10 +573,20 @@ DEVIATIONS: tuple[Deviation, ...] = (
          _model("OwnPosition", "R_{i-j}", token_scores_for=_own_position_scores, far_scores=_own_position_far)),
     _dev("float16-lut", "LUT (q R_b · C) held in float16 or bfloat16: near-tied scores reorder", {"lut_scores"} | _DECODE,
          _lowp("LutF16", "float16", lut="out"), _lowp("LutF16In", "float16", lut="inputs"),
-         _lowp("LutBF16", "bfloat16", lut="out")),
+         _lowp("LutBF16", "bfloat16", lut="out"), _model("LutF16Arith", "float16 arithmetic", lut=_lut_f16_arith)),
     _dev("positions-low-precision", "positions rounded through float16 or bfloat16 before the RoPE angle",
          _ROPE | _FAR | _DECODE,
-         _lowp("PosF16", "float16", pos=1), _lowp("PosBF16", "bfloat16", pos=1)),
+         _lowp("PosF16", "float16", pos=1), _lowp("PosBF16", "bfloat16", pos=1),
+         _model("PosF16Codes", "float16 positions when coding keys", far_key=lambda self, k, p, inv, t: (
+             Model.far_key(self, k, _round(p, "float16"), inv, t))),
+         _model("PosBF16Codes", "bfloat16 positions when coding keys", far_key=lambda self, k, p, inv, t: (
+             Model.far_key(self, k, _round(p, "bfloat16"), inv, t)))),
+    _dev("batch-rows-share-row-zero-selection", "batched decode: every row attends over row 0's token selection "
+         "instead of its own", {"make_cache"},
+         _cache_model("RowZeroSelection", "row 0's mask for every row", base=_RowZeroSelection)),
+    _dev("chunk-keys-rerotated", "chunked prefill: keys of each chunk after the first stored rotated again by the "
+         "chunk's start offset (RoPE applied to keys that are already post-RoPE)", {"make_cache"},
+         _cache_model("ChunkRerotated", "keys rotated twice", base=_ChunkRerotated)),
     _dev("trim-keeps-codes", "trim() drops keys, values and offset but keeps the trimmed tokens' codes for the "
          "tokens written in their place", {"make_cache"},
          _cache_model("TrimKeepsCodes", "stale codes", trim_codes=False)),
