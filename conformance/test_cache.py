@@ -124,6 +124,25 @@ def test_trim_rollback(ctx, setup, nA, nB, nC):
         ctx.fail("CACHE-TRIM", f"trim(n > offset) must trim to 0 and return {total}", f"returned {got!r}, offset {c1.offset}")
 
 
+@pytest.mark.clause("CACHE-TRIM", requires={"cache_ops": "trim"})
+@given(setup=cache_setup(), n=st.sampled_from([-1, -5, 1.5, 2.0, True]))
+def test_trim_rejects_what_is_not_a_count(ctx, setup, n):
+    """trim(n): a negative or non-integer n is a ValueError and leaves the cache as it was."""
+    config, rng, notes = setup
+    ctx.note(**notes, n=n)
+    _, k, v = _tokens(ctx, config, rng, 0, 4)
+    c = CacheCalls(ctx, config)
+    c.append(k, v)
+    before = _state(c)
+    try:
+        got = c.trim(n)
+    except ValueError:
+        pass
+    else:
+        ctx.fail("CACHE-TRIM", f"trim({n!r}) must raise ValueError (n is not a non-negative int)", f"returned {got!r}")
+    _same_state(ctx, _state(c), before, "CACHE-TRIM", f"after the refused trim({n!r})")
+
+
 @pytest.mark.clause("CACHE-CHUNK", requires={"cache_ops": "prefill"})
 @given(setup=cache_setup(), T=st.integers(2, 24), cuts=st.lists(st.integers(1, 23), max_size=3))
 def test_chunked_prefill(ctx, setup, T, cuts):
