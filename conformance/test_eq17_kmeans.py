@@ -1,13 +1,36 @@
-"""EQ-17-INIT (k-means++ seeding), EQ-17-STEP (one Lloyd step), EQ-17-FIT (full fit), in z-space."""
+"""EQ-17-INIT (k-means++ seeding), EQ-17-STEP (one Lloyd step), EQ-17-FIT (full fit), in z-space.
+
+Two kinds of properties. Stream-following ones (marked ``requires={"randomness": "explicit"}``) give the port
+the suite's uniforms / seed stream and compare with the oracle. Stream-independent ones run for every port,
+whichever randomness it declares: seeding returns distinct input points, with D²-weighted frequencies
+(a chi-square over many seeds); the fit's objective never increases, its codes are nearest to its own
+codebook, and at convergence it is a fixed point of a Lloyd step. A port with its own randomness is called
+as ``kmeanspp_init(z, K, *, seed)`` and ``kmeans(z, K, *, seed, max_iter, tol)`` (README-ADAPTER.md).
+"""
 
 import numpy as np
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from scipy.stats import chi2
 
 from a2ats_conformance import capabilities
 from a2ats_conformance import hypothesis_helpers as hh
 from a2ats_spec import oracle
+
+EXPLICIT = {"randomness": "explicit"}
+
+
+def _own_randomness() -> bool:
+    return capabilities.current().randomness == "own"
+
+
+def _seed_centres(ctx, z, K, seed):
+    """EQ-17-INIT through the port's own calling convention: a seed (own randomness) or the suite's uniforms."""
+    if _own_randomness():
+        return np.asarray(ctx.call("kmeanspp_init", z, K, seed=seed))
+    u = np.random.default_rng(seed).random(K)
+    return np.asarray(ctx.call("kmeanspp_init", z, K, uniforms=np.minimum(u, np.float32(1 - 2**-24))))
 
 
 def _distinct(z, K):
@@ -23,7 +46,7 @@ def _stable_init(z, K, u, eps=1e-6):
     return True
 
 
-@pytest.mark.clause("EQ-17-INIT", requires={"randomness": "explicit"})
+@pytest.mark.clause("EQ-17-INIT", requires=EXPLICIT)
 @given(case=hh.kmeans_points(), useed=hh.seeds())
 def test_kmeanspp_init_matches_oracle(ctx, case, useed):
     z = ctx.cast(case["z"]).astype(np.float64)
@@ -87,15 +110,13 @@ def test_lloyd_objective_never_increases(ctx, data):
 @pytest.mark.clause("EQ-17-FIT")
 @given(case=hh.kmeans_points(max_N=30))
 def test_kmeans_fit(ctx, case):
-    """History never increases; codes are nearest rows of the returned C; on well-separated data the
-    fit reaches the oracle's objective."""
+    """Stream-independent: history never increases; codes are nearest rows of the returned C."""
     z = ctx.cast(case["z"]).astype(np.float64)
     K = case["K"]
     assume(_distinct(z, K))
     seed = case["seed"] % 1000
     ctx.note(seed=case["seed"], fit_seed=seed, N=case["N"], K=K, d=case["d"], clustered=case["clustered"])
     C, codes, hist = ctx.call("kmeans", case["z"], K, seed=seed)
-    explicit = capabilities.current().randomness == "explicit"   # "own": the oracle's stream says nothing
     hist = np.asarray(hist, np.float64)
     r, a = ctx.tol("EQ-17-FIT")
     if np.any(np.diff(hist) > r * np.abs(hist[:-1]) + a):
@@ -103,6 +124,130 @@ def test_kmeans_fit(ctx, case):
     dist = np.sum((z[:, None, :] - np.asarray(C, np.float64)[None, :, :]) ** 2, axis=-1)
     ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-17-FIT", dist)), clause="EQ-17-FIT",
                           what="kmeans codes vs nearest row of the returned C", values=dist)
-    if explicit and case["clustered"] and _stable_init(z, K, np.random.default_rng(seed).random(K)):
-        _, _, ohist = ctx.oracle("kmeans", case["z"], K, seed=seed)
-        ctx.assert_close(hist[0], ohist[0], clause="EQ-17-FIT", what="objective of the first step (seeded init)")
+
+
+@pytest.mark.clause("EQ-17-FIT", requires=EXPLICIT)
+@given(case=hh.kmeans_points(max_N=30))
+def test_kmeans_fit_follows_seed_stream(ctx, case):
+    """On well-separated data a fit seeded from default_rng(seed) reaches the oracle's first objective."""
+    z = ctx.cast(case["z"]).astype(np.float64)
+    K = case["K"]
+    seed = case["seed"] % 1000
+    assume(case["clustered"] and _distinct(z, K) and _stable_init(z, K, np.random.default_rng(seed).random(K)))
+    ctx.note(seed=case["seed"], fit_seed=seed, N=case["N"], K=K, d=case["d"])
+    _, _, hist = ctx.call("kmeans", case["z"], K, seed=seed)
+    _, _, ohist = ctx.oracle("kmeans", case["z"], K, seed=seed)
+    ctx.assert_close(np.asarray(hist, np.float64)[0], ohist[0], clause="EQ-17-FIT",
+                     what="objective of the first step (seeded init)")
+
+
+@pytest.mark.clause("EQ-17-FIT")
+@given(case=hh.kmeans_points(max_N=20, max_K=4))
+def test_kmeans_converged_fit_is_a_fixed_point(ctx, case):
+    """With tol=0 the fit runs to max_iter (or a zero objective). Once the objective has stopped moving, one more
+    Lloyd step (oracle) must leave C and the codes unchanged: every centre is the mean of the points nearest
+    to it and no cluster is empty."""
+    z = ctx.cast(case["z"]).astype(np.float64)
+    K = case["K"]
+    assume(_distinct(z, K))
+    seed = case["seed"] % 1000
+    ctx.note(seed=case["seed"], fit_seed=seed, N=case["N"], K=K, d=case["d"], max_iter=40, tol=0.0)
+    C, codes, hist = ctx.call("kmeans", case["z"], K, seed=seed, max_iter=40, tol=0.0)
+    hist = np.asarray(hist, np.float64)
+    if not (len(hist) == 40 or len(hist) >= 1 and hist[-1] == 0):
+        ctx.fail("EQ-17-FIT", "with tol=0 the fit must run to max_iter=40 or a zero objective",
+                 f"it stopped after {len(hist)} steps, history {hist.tolist()}")
+    assume(hist[-1] == 0 or hist[-1] == hist[-2])  # converged: the objective stopped moving
+    C = np.asarray(C, np.float64)
+    dist = np.sort(np.sum((z[:, None, :] - C[None, :, :]) ** 2, axis=-1), axis=1)
+    assume(K == 1 or np.all(dist[:, 1] - dist[:, 0] > ctx.margin("EQ-17-FIT", dist)))  # no point near a tie
+    C_next, codes_next, _ = oracle.lloyd_step(z, C)
+    ctx.assert_close(C, C_next, clause="EQ-17-FIT", what="converged centres vs one more Lloyd step on them")
+    ctx.assert_equal(np.asarray(codes).astype(np.int64), codes_next, clause="EQ-17-FIT",
+                     what="converged codes vs the nearest returned centre")
+
+
+@pytest.mark.clause("EQ-17-INIT")
+@given(case=hh.kmeans_points(), seed=st.integers(0, 10**6))
+def test_seeding_picks_distinct_input_points(ctx, case, seed):
+    """Whatever the stream, k-means++ returns K distinct rows of z (a chosen point has D² > 0)."""
+    z = ctx.cast(case["z"]).astype(np.float64)
+    K = case["K"]
+    assume(_distinct(z, K))
+    ctx.note(seed=case["seed"], init_seed=seed, N=case["N"], K=K, d=case["d"])
+    C = _seed_centres(ctx, case["z"], K, seed).astype(np.float64)
+    ctx.assert_equal(C.shape, (K, z.shape[1]), clause="EQ-17-INIT", what="k-means++ centres shape")
+    idx = _row_indices(z, C)
+    if np.any(idx < 0):
+        ctx.fail("EQ-17-INIT", "k-means++ returned a centre that is not an input point",
+                 f"centres {C.tolist()} not all rows of z")
+    if np.unique(z[idx], axis=0).shape[0] != K:
+        ctx.fail("EQ-17-INIT", "k-means++ chose the same point twice", f"row indices {idx.tolist()}")
+
+
+def _row_indices(z, C):
+    """For each centre, the index of the first equal row of z (-1 when none)."""
+    eq = np.all(z[None, :, :] == C[:, None, :], axis=-1)
+    return np.where(eq.any(axis=1), np.argmax(eq, axis=1), -1)
+
+
+#: A tiny point set on a line whose D² weights are far from uniform; every seeding of K=3 centres is an
+#: ordered triple of distinct indices.
+_D2_POINTS = np.array([[0.0, 0.0], [1.0, 0.0], [3.0, 0.0], [7.0, 0.0]])
+_D2_K = 3
+_D2_DRAWS = 2000
+#: p-value below which the observed frequencies reject k-means++. A faithful port fails with this probability
+#: (the draws are deterministic seeds, so a given port's verdict never changes from run to run).
+_D2_P_FAIL = 1e-9
+
+
+def _d2_expected(z, K):
+    """{ordered tuple of K indices: probability under k-means++ (uniform first pick, then D²-weighted)}."""
+    N = z.shape[0]
+    d2 = np.sum((z[:, None] - z[None]) ** 2, axis=-1)
+    probs = {}
+
+    def walk(chosen, p):
+        if len(chosen) == K:
+            probs[tuple(chosen)] = p
+            return
+        w = d2[:, chosen].min(axis=1)
+        for n in np.flatnonzero(w > 0):
+            walk(chosen + [int(n)], p * w[n] / w.sum())
+
+    for first in range(N):
+        walk([first], 1.0 / N)
+    return probs
+
+
+@pytest.mark.clause("EQ-17-INIT")
+def test_seeding_frequencies_are_d2_weighted(ctx):
+    """Over many seeds, the frequency of each ordered choice of centres matches k-means++ (chi-square)."""
+    probs = _d2_expected(_D2_POINTS, _D2_K)
+    counts = dict.fromkeys(probs, 0)
+    ctx.note(points=_D2_POINTS.tolist(), K=_D2_K, draws=_D2_DRAWS, seeds=f"0..{_D2_DRAWS - 1}")
+    for seed in range(_D2_DRAWS):
+        C = _seed_centres(ctx, _D2_POINTS, _D2_K, seed).astype(np.float64)
+        key = tuple(int(i) for i in _row_indices(_D2_POINTS, C))
+        if key not in counts:
+            ctx.fail("EQ-17-INIT", "k-means++ returned centres that are not distinct input points",
+                     f"seed {seed}: row indices {key}")
+        counts[key] += 1
+    cells = sorted(probs, key=probs.get)
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for c in cells:                       # pool the rarest cells until each expected count is >= 5
+        pool_o, pool_e = pool_o + counts[c], pool_e + probs[c] * _D2_DRAWS
+        if pool_e >= 5:
+            obs.append(pool_o)
+            exp.append(pool_e)
+            pool_o, pool_e = 0, 0.0
+    obs[-1] += pool_o
+    exp[-1] += pool_e
+    obs, exp = np.array(obs, float), np.array(exp)
+    stat = float(np.sum((obs - exp) ** 2 / exp))
+    p = float(chi2.sf(stat, len(obs) - 1))
+    if p < _D2_P_FAIL:
+        worst = np.argsort(-np.abs(obs - exp))[:3]
+        ctx.fail("EQ-17-INIT", "k-means++ centre frequencies are not D²-weighted",
+                 f"chi-square {stat:.1f} on {len(obs) - 1} dof, p = {p:.2e} < {_D2_P_FAIL:g}; "
+                 f"largest gaps (observed/expected): {[(int(obs[i]), round(float(exp[i]), 1)) for i in worst]}")

@@ -18,6 +18,9 @@ Each function works in the float dtype of its array inputs (float32 in, float32 
 float64), so a float32 run really exercises float32 rounding. Codes are int64 from the functions and
 ``code_dtype(K)`` in the cache. Bad input raises ``ValueError`` naming the argument (INPUT-ERRORS).
 
+``kmeans_from_uniforms(z, K, uniforms, max_iter=300, tol=1e-4)`` is EQ-17-FIT with the seeding uniforms
+given rather than drawn from ``default_rng(seed)``: a port with its own random stream builds on it.
+
 ``NumpyPort.make_cache(config)`` returns a ``NumpyCache`` (cache protocol of README-ADAPTER.md): batch of
 one; ``save(path)`` writes an ``.npz`` at exactly ``path`` (no pickle) and ``load(path)`` reads it back.
 
@@ -32,7 +35,7 @@ import os
 
 import numpy as np
 
-__all__ = ["NumpyPort", "NumpyCache", "PORT"]
+__all__ = ["NumpyPort", "NumpyCache", "PORT", "kmeans_from_uniforms"]
 
 DTYPES = ("float64", "float32")
 
@@ -423,7 +426,7 @@ def _check_points_loose(z, C, dt):
     return z, K
 
 
-def _fit(z, K, uniforms, max_iter, tol):
+def kmeans_from_uniforms(z, K, uniforms, max_iter=300, tol=1e-4):
     """EQ-17-FIT from given seeding uniforms: Lloyd steps until max_iter, a zero objective or a small relative gain."""
     max_iter = _integer(max_iter, "max_iter", 1)
     if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
@@ -440,10 +443,10 @@ def _fit(z, K, uniforms, max_iter, tol):
 
 
 def kmeans(z, K, *, seed, max_iter=300, tol=1e-4):
-    """EQ-17-FIT: uniforms = numpy default_rng(seed).random(K), then _fit."""
+    """EQ-17-FIT: uniforms = numpy default_rng(seed).random(K), then kmeans_from_uniforms."""
     seed = _integer(seed, "seed", 0)
     K = _integer(K, "K", 1)
-    return _fit(z, K, np.random.default_rng(seed).random(K), max_iter, tol)
+    return kmeans_from_uniforms(z, K, np.random.default_rng(seed).random(K), max_iter, tol)
 
 
 # ----------------------------------------------------------------------------- RET-*
@@ -654,9 +657,12 @@ class NumpyCache:
         cfg = self.config
         if self.offset == 0:
             raise ValueError("decode: the cache is empty; append the query's own key first")
-        return decode_step(np.asarray(q_post), self.keys, self.values, self.codes_, self.C,
+        return self.decode_step(np.asarray(q_post), self.keys, self.values, self.codes_, self.C,
                            query_pos=self.offset - 1, b=cfg["b"], w=cfg["w"], sinks=cfg["sinks"], topk=cfg["topk"],
                            scale=cfg.get("scale"), return_mask=True, **self._rope_kw())
+
+    #: RET-DECODE as this cache runs it (a port variant may swap in its own).
+    decode_step = staticmethod(decode_step)
 
     def prefill(self, q_post):
         return prefill_attention(np.asarray(q_post), self.keys, self.values, scale=self.config.get("scale"))
