@@ -1,7 +1,7 @@
 """``a2ats-conformance``: run the conformance suite against an implementation and report per clause.
 
     a2ats-conformance [--iut module:object] [--profile quick|ci|thorough] [--dtype D|all]
-                      [--report-json F] [--report-md F] [--xfails F] [-n N] [--clauses ID,...]
+                      [--report-json F] [--report-md F] [--junit-xml F] [--xfails F] [-n N] [--clauses ID,...]
                       [--seed S] [--counterexample-dir DIR] [--example-timeout S] [-k EXPR] [-v]
     a2ats-conformance vectors --out DIR [--size small|full] [--seed S]
     a2ats-conformance grade VECTORS_DIR ANSWERS_DIR [--report-json F] [--report-md F]
@@ -139,8 +139,12 @@ def run_suite(a) -> dict:
     clauses = clause_table(raw["tests"], ids)
     summary = {s: sum(1 for c in clauses.values() if c["status"] == s) for s in STATUS_ORDER}
     failed = sorted(c for c, v in clauses.items() if v["status"] in FAILING)
+    from .report import metadata
+
+    impl = raw["implementation"] or {"iut": spec}
     return {
-        "implementation": raw["implementation"] or {"iut": spec},
+        **metadata(dtype=impl.get("dtype") or a.dtype or "?", profile=a.profile, seed=a.seed, started_at=t0),
+        "implementation": impl,
         "profile": a.profile,
         "seed": a.seed,
         "run": {"complete": raw["complete"], "interrupted": raw["interrupted"], "error": raw["error"],
@@ -270,6 +274,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="input dtype to test, comma list, or 'all' (default: the adapter's first)")
     p.add_argument("--report-json", default=None, metavar="F")
     p.add_argument("--report-md", default=None, metavar="F")
+    p.add_argument("--junit-xml", default=None, metavar="F", help="JUnit XML for CI: one testcase per clause")
+    p.add_argument("--version", action="store_true", help="print the package, spec and vectors-format versions")
     p.add_argument("--xfails", default=None, metavar="F", help="known deviations: '<clause-or-test-id-prefix>  # reason'")
     p.add_argument("-n", type=int, default=1, help="worker processes (pytest-xdist) when > 1")
     p.add_argument("--clauses", default=None, help="comma-separated clause IDs to run (default: all)")
@@ -296,7 +302,7 @@ def main(argv=None) -> int:
         from .grade import main as grade_main
 
         return grade_main(argv[1:])
-    if argv[:1] == ["--version"]:
+    if "--version" in argv:
         from .versions import version_text
 
         print(version_text())
@@ -326,6 +332,10 @@ def main(argv=None) -> int:
     if a.report_md:
         with open(a.report_md, "w", encoding="utf-8") as f:
             f.write(format_markdown(report))
+    if a.junit_xml:
+        from .report import write_junit
+
+        write_junit(report, a.junit_xml)
     if report["run"]["error"]:
         print(f"a2ats-conformance: {report['run']['error']}", file=sys.stderr)
     return exit_status(report)

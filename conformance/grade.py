@@ -1,7 +1,7 @@
 """Grade a port's answers to the golden vectors (VECTORS.md, "Answers"), per clause, without running the port.
 
     a2ats-conformance grade VECTORS_DIR ANSWERS_DIR [--dtype float32|float64] [--report-json F] [--report-md F]
-                                                    [--junit-xml F]
+                                                    [--junit-xml F] [--iut module:object]
 
 A port in any language reads the vectors (vectors.py) and writes one ``.npy`` per case and output; this module
 compares them with the oracle's expected values (tolerances, allowed code sets, must/may masks) and produces
@@ -265,10 +265,17 @@ def main(argv=None) -> int:
     p.add_argument("--report-json", default=None, metavar="F")
     p.add_argument("--report-md", default=None, metavar="F")
     p.add_argument("--junit-xml", default=None, metavar="F", help="JUnit XML, one testcase per clause")
+    p.add_argument("--iut", default=None, metavar="module:object",
+                   help="first write ANSWERS_DIR by running this Python adapter on the vectors, then grade")
     a = p.parse_args(argv)
     from .cli import exit_status, format_markdown, format_table
 
     try:
+        if a.iut:
+            from .adapter import load_adapter
+            from .vectors import write_answers
+
+            write_answers(a.vectors_dir, load_adapter(a.iut), a.answers_dir, a.dtype)
         report = grade(a.vectors_dir, a.answers_dir, a.dtype)
     except ValueError as exc:   # AnswersError, or vectors of another format
         print(f"a2ats-conformance grade: {exc}", file=sys.stderr)

@@ -259,3 +259,20 @@ def test_report_schema_validator_rejects_what_it_must(vectors, numpy_answers):
     assert validate(report, SCHEMA) == []
     with pytest.raises(ValueError, match="outside the supported subset"):
         validate({}, {"oneOf": []})
+
+
+def test_full_size_has_realistic_cases_and_stays_under_50_mb(tmp_path):
+    write_vectors(str(tmp_path), size="full")
+    manifest, dec = load_vectors(str(tmp_path))
+    per = collections.Counter(c["clause"] for c in manifest["calls"])
+    assert set(per) == set(STATELESS) and min(per.values()) >= MIN_CASES
+    realistic = collections.Counter(c["clause"] for c in manifest["calls"] if c["note"].startswith("realistic"))
+    assert set(realistic) >= set(STATELESS) - {"ROPE-FREQ", "RET-TOPK", "CODES-DTYPE", "INPUT-ERRORS"}, realistic
+    notes = " ".join(c["note"] for c in manifest["calls"])
+    for what in ("K=4096", "d=128", "d=64", "G=4", "T=2048", "T=4096", "near ties"):
+        assert what in notes, what
+    assert {t["clause"] for t in manifest["traces"]} == set(CACHE)
+    long = next(t for t in manifest["traces"] if "131,072" in t["note"])
+    assert sum(dec(s["keys"]).shape[-2] for s in long["steps"] if s["op"] == "append") == 131_073
+    size = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+    assert size < 50e6, f"full vectors take {size / 1e6:.1f} MB"

@@ -1,0 +1,23 @@
+"""Shared test hooks: every conformance report a test writes must match the report schema the package ships."""
+
+import json
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _reports_match_the_shipped_schema(request):
+    """After each test that used tmp_path: every JSON report under it validates against report.schema.json."""
+    yield
+    tmp = request.node.funcargs.get("tmp_path") if hasattr(request.node, "funcargs") else None
+    if tmp is None:
+        return
+    for path in sorted(tmp.rglob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and "clauses" in data and "summary" in data:   # a conformance report
+            from a2ats_conformance.report import validate_report
+
+            validate_report(data)
