@@ -1,6 +1,6 @@
 """``a2ats-bench``: measured speed and fidelity of A2ATS on this machine.
 
-    a2ats-bench speed    --json F [--md F] [--quick | --tiny]
+    a2ats-bench speed    --json F [--md F] [--quick | --tiny] [--T 16384,65536]
     a2ats-bench fidelity --json F [--md F] [--quick | --tiny]
 
 Every result carries a machine description (CPU, cores, MLX version, BLAS in use, allocator tuning).
@@ -71,25 +71,34 @@ def machine(allocator_tuned: bool) -> dict:
 
 SPEED_PROFILES = {
     #        decode_step Ts            dtypes                  reps  cache-update Ts        e2e ctx  e2e tokens
-    "full": dict(Ts=[4096, 16384, 65536], dtypes=["float32", "float16"], reps=7, upd_Ts=[1024, 4096, 16384, 65536],
-                 e2e_ctx=4096, e2e_tokens=32, shape=None, K=4096, conformance=True),
+    "full": dict(Ts=[4096, 16384, 65536], dtypes=["float32", "float16", "bfloat16"], reps=7,
+                 upd_Ts=[1024, 4096, 16384, 65536], e2e_ctx=4096, e2e_tokens=32, shape=None, K=4096, conformance=True,
+                 lib_Ts=[16384, 65536], lib_dtypes=["float32"], lib_tokens=8, lib_rounds=3),
     "quick": dict(Ts=[4096, 16384], dtypes=["float32", "float16"], reps=3, upd_Ts=[1024, 4096, 16384],
-                  e2e_ctx=1024, e2e_tokens=8, shape=None, K=4096, conformance=False),
+                  e2e_ctx=1024, e2e_tokens=8, shape=None, K=4096, conformance=False,
+                  lib_Ts=[2048], lib_dtypes=["float32"], lib_tokens=2, lib_rounds=1),
     "tiny": dict(Ts=[512, 1024], dtypes=["float32"], reps=2, upd_Ts=[256, 1024],
-                 e2e_ctx=0, e2e_tokens=0, shape=dict(n_q=8, n_kv=2, d=32), K=256, conformance=False),
+                 e2e_ctx=0, e2e_tokens=0, shape=dict(n_q=8, n_kv=2, d=32), K=256, conformance=False,
+                 lib_Ts=[], lib_dtypes=[], lib_tokens=0, lib_rounds=0),
 }
 
 
-def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True) -> dict:
+def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=None) -> dict:
     from . import bench_speed as bs
 
-    p = SPEED_PROFILES[profile]
+    p = dict(SPEED_PROFILES[profile])
+    if Ts:  # --T: these context lengths for the decode-step table and the library rows
+        p["Ts"] = p["lib_Ts"] = list(Ts)
     shape = p["shape"] or bs.LLAMA31_8B
     res = {"decode_step_config": dict(shape, K=p["K"], topk=0.03, w=64, sinks=8, b=2048, batch=1,
                                       baseline="mlx_lm.models.base.scaled_dot_product_attention over a KVCache",
                                       a2ats="a2ats_ref.fast_decode.decode_step_fast (method=auto)",
                                       timing="interleaved repetitions after warm-up; mx.eval sync; medians")}
     res["decode_step"] = bs.decode_step_table(p["Ts"], p["dtypes"], reps=p["reps"], shape=shape, K=p["K"])
+    if p["lib_Ts"]:
+        _log("library path: public API only (make_a2ats_cache + enable_a2ats + generate_step)")
+        res["library_decode"] = bs.library_default_table(p["lib_Ts"], p["lib_dtypes"], shape=shape, K=p["K"],
+                                                         tokens=p["lib_tokens"], rounds=p["lib_rounds"])
     _log("cache update cost vs T")
     res["cache_update"] = bs.cache_update_table(p["upd_Ts"], shape=shape, K=p["K"], reps=max(5, p["reps"] * 3))
     res["memory"] = bs.memory_table(p["upd_Ts"], shape=shape, K=p["K"])
@@ -114,6 +123,20 @@ def speed_markdown(res: dict) -> str:
     for r in res["decode_step"]:
         lines.append(f"| {r['T']} | {r['dtype']} | {r['dense_ms']:.2f} | {r['a2ats_ms']:.2f} | {r['speedup']:.2f}x | "
                      f"{r['bytes_read']['dense']:,} | {r['bytes_read']['a2ats']:,} |")
+    lib = res.get("library_decode")
+    if lib:
+        lines += ["", "## Generated tokens through the public API (one attention layer at the shape above)", "",
+                  "`make_a2ats_cache` + `enable_a2ats` + mlx-lm `generate_step`; caches filled with synthetic "
+                  "keys/values through `state`. \"library default\" is a fresh process that only uses the public "
+                  "API: the library's normal path.", "",
+                  "| T | dtype | row | dense ms/token | A2ATS ms/token | speedup | allocator tuned |",
+                  "|---:|---|---|---:|---:|---:|---|"]
+        for r in lib:
+            if "error" in r:
+                lines.append(f"| {r['T']} | {r['dtype']} | {r['row']} | error | | | |")
+                continue
+            lines.append(f"| {r['T']} | {r['dtype']} | {r['row']} | {r['dense_ms_per_token']:.1f} | "
+                         f"{r['a2ats_ms_per_token']:.1f} | {r['speedup']:.2f}x | {r['allocator_tuned']} |")
     cu = res.get("cache_update")
     if cu:
         lines += ["", "## Per-token cache update (one layer)", "", "| T | KVCache ms | A2ATSCache ms |", "|---:|---:|---:|"]
@@ -171,7 +194,17 @@ def main(argv=None) -> int:
     ap.add_argument("--no-conformance", action="store_true", help="speed: skip timing a2ats-conformance --profile ci")
     ap.add_argument("--no-tune-allocator", action="store_true",
                     help="leave glibc's malloc thresholds alone (see fast_decode.tune_allocator)")
+    ap.add_argument("--T", help="speed: comma-separated context lengths for the decode-step table and the "
+                                "library rows (default: the profile's), e.g. --T 16384,65536")
     args = ap.parse_args(argv)
+    Ts = None
+    if args.T:
+        try:
+            Ts = [int(x) for x in args.T.split(",") if x.strip()]
+        except ValueError:
+            ap.error(f"--T: expected comma-separated integers, got {args.T!r}")
+        if not Ts or any(t < 256 or t % 256 for t in Ts):
+            ap.error(f"--T: every context length must be a positive multiple of 256, got {args.T!r}")
     profile = "tiny" if args.tiny else "quick" if args.quick else "full"
     try:
         return _run(args, profile)
@@ -195,12 +228,14 @@ def _run(args, profile: str) -> int:
     _blas.preload()
     from . import fast_decode
 
+    if args.no_tune_allocator:
+        os.environ[fast_decode.TUNE_ALLOCATOR_ENV] = "0"   # enable_a2ats must not tune it behind our back
     tuned = False if args.no_tune_allocator else fast_decode.tune_allocator()
     t0 = time.perf_counter()
     res = {"schema_version": SCHEMA_VERSION, "benchmark": args.what, "profile": profile,
            "machine": machine(tuned)}
     if args.what == "speed":
-        res.update(run_speed(profile, e2e=not args.no_e2e, conformance=not args.no_conformance))
+        res.update(run_speed(profile, e2e=not args.no_e2e, conformance=not args.no_conformance, Ts=Ts))
     else:
         res.update(run_fidelity(profile))
     res["wall_s"] = round(time.perf_counter() - t0, 2)

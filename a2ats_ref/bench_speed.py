@@ -122,6 +122,125 @@ def decode_step_table(Ts, dtypes, *, reps: int, shape=None, K: int = 4096, progr
     return rows
 
 
+# --------------------------------------------------------------------------- library default (public API only)
+
+
+def _attention_only_llama(n_q: int, n_kv: int, d: int, dtype):
+    """One-layer mlx-lm Llama with the decode-step table's attention shape and a tiny residual stream, so a
+    generated token costs about one attention step (plus the projections of 256-wide hidden states)."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=1, intermediate_size=256,
+                           num_attention_heads=n_q, num_key_value_heads=n_kv, head_dim=d, rms_norm_eps=1e-5,
+                           vocab_size=256, rope_theta=500000.0)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def library_decode_case(T: int, dtype_name: str, *, tokens: int = 8, rounds: int = 3, shape=None,
+                        K: int = 4096) -> dict:
+    """ms per generated token at context T through the public API only: ``make_a2ats_cache`` +
+    ``enable_a2ats`` + mlx-lm ``generate_step``, against mlx-lm's own ``KVCache`` on the same model.
+
+    The caches are filled with T synthetic tokens through their public ``state`` (a real prefill at 8B
+    attention shapes would take hours on a CPU; decode speed does not depend on the keys' content). Each
+    round generates ``tokens`` tokens from a one-token prompt with each cache (alternating which goes first)
+    and trims back to T. Nothing here touches allocator settings: whatever ``enable_a2ats`` does by default
+    is what is measured.
+    """
+    import warnings
+
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .cache import make_a2ats_cache, random_codebook
+    from .hook import enable_a2ats
+
+    shape = dict(LLAMA31_8B if shape is None else shape)
+    n_q, n_kv, d = shape["n_q"], shape["n_kv"], shape["d"]
+    dt = DTYPES[dtype_name]
+    model = enable_a2ats(_attention_only_llama(n_q, n_kv, d, dt))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a random codebook: speed does not depend on the codewords
+        a2ats = make_a2ats_cache(model, random_codebook(1, n_kv, d, K))
+    dense = make_prompt_cache(model)
+    k = mx.random.normal((1, n_kv, T, d)).astype(dt)
+    v = mx.random.normal((1, n_kv, T, d)).astype(dt)
+    codes = mx.random.randint(0, K, (1, n_kv, T)).astype(mx.uint16 if K > 256 else mx.uint8)
+    mx.eval(k, v, codes)
+    dense[0].state = (k, v, T)
+    a2ats[0].state = (k, v, codes)
+    prompt = mx.array([1])
+    times = {"dense": [], "a2ats": []}
+
+    def one_round(name, cache):
+        gen = generate_step(prompt, model, prompt_cache=cache, max_tokens=tokens + 1)
+        next(gen)   # the prompt token's own step; from here on every step is a decode step
+        t0 = time.perf_counter()
+        for _ in gen:
+            t1 = time.perf_counter()
+            times[name].append((t1 - t0) * 1e3)
+            t0 = t1
+        cache[0].trim(cache[0].offset - T)
+
+    caches = {"dense": dense, "a2ats": a2ats}
+    one_round("dense", dense)      # warm-up (compiles A2ATS's graphs), not counted
+    one_round("a2ats", a2ats)
+    times = {"dense": [], "a2ats": []}
+    for r in range(rounds):
+        for name in (("dense", "a2ats") if r % 2 == 0 else ("a2ats", "dense")):
+            one_round(name, caches[name])
+    from .fast_decode import allocator_tuned
+
+    dm, am = float(np.median(times["dense"])), float(np.median(times["a2ats"]))
+    return {"T": T, "dtype": dtype_name, "dense_ms_per_token": dm, "a2ats_ms_per_token": am,
+            "speedup": dm / am, "tokens": len(times["a2ats"]), "allocator_tuned": allocator_tuned(),
+            "shape": dict(shape, K=K, hidden_size=256, layers=1)}
+
+
+def _library_case_subprocess(T: int, dtype_name: str, *, env_extra: dict, tokens: int, rounds: int, shape,
+                             K: int, timeout: float = 1800) -> dict:
+    """library_decode_case in a fresh Python process (no a2ats-bench setting carried over)."""
+    import json
+    import subprocess
+
+    env = dict(os.environ)
+    env.pop("A2ATS_TUNE_ALLOCATOR", None)
+    env.update(env_extra)
+    arg = json.dumps(dict(T=T, dtype_name=dtype_name, tokens=tokens, rounds=rounds, shape=shape, K=K))
+    p = subprocess.run([sys.executable, "-m", "a2ats_ref.bench_speed", "library-case", arg], env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        return {"T": T, "dtype": dtype_name, "error": p.stderr[-800:]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def library_default_table(Ts, dtypes, *, shape=None, K: int = 4096, tokens: int = 8, rounds: int = 3) -> list:
+    """Per (T, dtype), three rows of library_decode_case: in this process (after a2ats-bench's own
+    tune_allocator: the "tuned" row), in a fresh process with the library's defaults ("library default"),
+    and in a fresh process with A2ATS_TUNE_ALLOCATOR=0 ("library, allocator untouched")."""
+    shape = dict(LLAMA31_8B if shape is None else shape)
+    rows = []
+    kw = dict(tokens=tokens, rounds=rounds, shape=shape, K=K)
+    for T in Ts:
+        for dt in dtypes:
+            _log(f"library path T={T} dtype={dt}: bench process, fresh process (default), fresh process (untuned)")
+            tuned = library_decode_case(T, dt, **kw)
+            mx.clear_cache()
+            default = _library_case_subprocess(T, dt, env_extra={}, **kw)
+            untuned = _library_case_subprocess(T, dt, env_extra={"A2ATS_TUNE_ALLOCATOR": "0"}, **kw)
+            for label, r in (("bench process (tuned)", tuned), ("library default (fresh process)", default),
+                             ("library, A2ATS_TUNE_ALLOCATOR=0 (fresh process)", untuned)):
+                rows.append(dict(r, row=label))
+                if "error" not in r:
+                    _log(f"  {label}: dense {r['dense_ms_per_token']:.1f} ms/token, A2ATS "
+                         f"{r['a2ats_ms_per_token']:.1f} ms/token, {r['speedup']:.2f}x")
+    return rows
+
+
 # --------------------------------------------------------------------------- cache update, memory
 
 
@@ -299,3 +418,12 @@ def conformance_wall_time(timeout: float = 900) -> float | str:
         return f"not measured: {exc!r}"
     wall = round(time.perf_counter() - t0, 1)
     return wall if p.returncode in (0, 1) else f"{wall} s (exit {p.returncode}: {p.stderr[-300:]})"
+
+
+if __name__ == "__main__":  # pragma: no cover - the fresh process of library_default_table
+    import json
+
+    if len(sys.argv) == 3 and sys.argv[1] == "library-case":
+        print(json.dumps(library_decode_case(**json.loads(sys.argv[2]))))
+    else:
+        sys.exit("usage: python -m a2ats_ref.bench_speed library-case JSON  (used by a2ats-bench speed)")

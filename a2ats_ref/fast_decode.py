@@ -13,7 +13,9 @@ output to float tolerance), engineered for speed on MLX's CPU backend:
 * per-head top-k is ``argpartition``; the GQA union is the concatenation of the group's top-k index
   lists, with duplicates removed by an "owner" scatter (each token keeps exactly one slot; the others
   are masked to -inf), because an exact softmax over a multiset is not the softmax over the set;
-* exact softmax attention (float32) over the gathered post-RoPE keys/values;
+* exact softmax attention (float32) over the gathered post-RoPE keys/values, gathered in the cache's own
+  dtype and cast to float32 block by block (no full-cache or full-selection cast: float16/bfloat16 read
+  half the bytes and cost no more than float32);
 * everything but the host-side parameter work is one ``mx.compile``d graph per static shape, and
   ``b`` and ``query_pos`` enter as data so decoding does not recompile every token;
 * the selected set is returned lazily (``Selection``): the cache keeps it and builds the bool mask
@@ -32,27 +34,57 @@ import numpy as np
 from .eq12_far_keys import far_query_unchecked
 from .retrieval import own_token_only, topk_count
 
-__all__ = ["prepare_codebook", "decode_step_fast", "Selection", "selection_size", "tune_allocator"]
+__all__ = ["prepare_codebook", "decode_step_fast", "Selection", "selection_size", "tune_allocator",
+           "allocator_tuning_wanted", "allocator_tuned"]
 
 #: candidate count from which method="auto" selects on the host (measured crossover on a 2-core EPYC)
 HOST_SELECT_MIN = 32768
 
 
-def tune_allocator() -> bool:
-    """Keep freed large buffers in glibc's heap (no munmap/page-fault churn per decode step).
+#: set A2ATS_TUNE_ALLOCATOR=0 to keep glibc's malloc thresholds as they are (enable_a2ats then leaves them)
+TUNE_ALLOCATOR_ENV = "A2ATS_TUNE_ALLOCATOR"
+_allocator_tuned: bool | None = None   # None: not asked yet in this process
 
-    MLX's CPU allocator hands big buffers to malloc, which maps and unmaps them on every step; on the
-    project's VMs first-touch page faults cost more than the gather itself. Process-wide; returns False
-    where glibc's mallopt is unavailable.
+
+def tune_allocator() -> bool:
+    """Keep freed large buffers in glibc's heap (no munmap/page-fault churn between decode steps).
+
+    Process-wide and idempotent; returns True when the thresholds are set, False where glibc's mallopt is
+    unavailable. ``enable_a2ats`` calls it (unless ``A2ATS_TUNE_ALLOCATOR=0`` or ``tune_allocator=False``),
+    so library users get what the benchmark measures. The decode step itself no longer needs it for its
+    gathers (they come in GATHER_BLOCK_BYTES blocks from MLX's buffer cache); it still spares the model's
+    own large per-token buffers (logits, MLP activations) the map/unmap cycle on a loaded machine. The cost:
+    freed memory below 1 GiB stays in the process's heap instead of going back to the OS at once.
     """
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1))
-    except (OSError, AttributeError):
-        return False
+    global _allocator_tuned
+    if _allocator_tuned is None:
+        import ctypes
+        import ctypes.util
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+            _allocator_tuned = (bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30))
+                                and bool(libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1)))
+        except (OSError, AttributeError):
+            _allocator_tuned = False
+    return _allocator_tuned
+
+
+def allocator_tuning_wanted(arg: bool | None = None) -> bool:
+    """The library default for tune_allocator: the argument if given, else $A2ATS_TUNE_ALLOCATOR (default on)."""
+    import os
+
+    if arg is not None:
+        return bool(arg)
+    env = os.environ.get(TUNE_ALLOCATOR_ENV, "1").strip().lower()
+    if env not in ("0", "1", "false", "true", "no", "yes", "off", "on", ""):
+        raise ValueError(f"${TUNE_ALLOCATOR_ENV}: expected 0 or 1, got {env!r}")
+    return env not in ("0", "false", "no", "off")
+
+
+def allocator_tuned() -> bool:
+    """True once tune_allocator has set glibc's thresholds in this process."""
+    return bool(_allocator_tuned)
 
 
 def prepare_codebook(C, dtype=mx.float32) -> mx.array:
@@ -155,25 +187,57 @@ def _select_host(lut, codes, *, BH, G, K, kk, c0, c1, bucket):
     return mx.array(idx), mx.array(keep)
 
 
+#: bytes of float32 rows gathered per block in the attention step. Blocks this small come back from MLX's
+#: own buffer cache (32 MiB by default on CPU) step after step, so the step neither maps nor page-faults
+#: fresh memory, whatever glibc's malloc thresholds are, and a block's rows are still in cache when reused.
+GATHER_BLOCK_BYTES = 1 << 21
+
+
+def _gather_blocks(S: int, BH: int, d: int) -> list[tuple[int, int]]:
+    """Column ranges [s0, s1) of the (BH, S) selection, each gathering at most GATHER_BLOCK_BYTES (float32)."""
+    width = max(1, GATHER_BLOCK_BYTES // (4 * BH * d))
+    return [(s, min(s + width, S)) for s in range(0, S, width)]
+
+
 @lru_cache(maxsize=64)
 def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F):
-    """Compiled: gather the selected rows of the cache buffer, exact float32 softmax attention."""
+    """Compiled: gather the selected rows of the cache buffer, exact float32 softmax attention.
+
+    Rows are gathered in the cache dtype and cast to float32 block by block (_gather_blocks): the logits
+    of all blocks are one small (BH, G, S) array, so the softmax is exact over the whole selection, and
+    p @ V is summed over the same blocks. No buffer proportional to the selection's K/V bytes is made.
+    """
     G = n_q // n_kv
     BH = B * n_kv
     row_base = mx.arange(BH, dtype=mx.int32)[:, None] * T_buf   # flat row of token 0 of each (b, kv)
+
+    def rows_f32(buf, rows, width):
+        return mx.take(buf, rows.reshape(-1), axis=0).reshape(BH, -1, width).astype(mx.float32)
 
     def attend(q, keys, values, idx, keep, forced_idx, scale):
         if F:
             idx = mx.concatenate([mx.broadcast_to(forced_idx[None], (BH, F)), idx], axis=-1)
             keep = mx.concatenate([mx.ones((BH, F), dtype=mx.bool_), keep], axis=-1)
-        rows = (idx + row_base).reshape(-1)
-        ks = mx.take(keys.reshape(-1, d), rows, axis=0).reshape(BH, -1, d).astype(mx.float32)
-        vs = mx.take(values.reshape(-1, dv), rows, axis=0).reshape(BH, -1, dv).astype(mx.float32)
+        rows = idx + row_base
+        kflat, vflat = keys.reshape(-1, d), values.reshape(-1, dv)
         qf = q.reshape(BH, G, d).astype(mx.float32) * scale
-        logits = (ks @ qf.swapaxes(-1, -2)).swapaxes(-1, -2)                    # (BH, G, M); faster on CPU BLAS
-        logits = mx.where(keep[:, None, :], logits, -mx.inf)
-        p = mx.softmax(logits, axis=-1, precise=True)
-        return (p @ vs).reshape(B, n_q, 1, dv).astype(values.dtype)
+        blocks = _gather_blocks(rows.shape[-1], BH, max(d, dv))
+        # mx.depends orders the blocks: block j is gathered only after block j-1 has been used, so one block
+        # is alive at a time (MLX would otherwise be free to gather every block first).
+        logits, prev = [], None
+        for s0, s1 in blocks:
+            r = rows[:, s0:s1] if prev is None else mx.depends(rows[:, s0:s1], prev)
+            # (S, d) @ (d, G) then transpose: faster than (G, d) @ (d, S) on CPU BLAS
+            prev = (rows_f32(kflat, r, d) @ qf.swapaxes(-1, -2)).swapaxes(-1, -2)
+            logits.append(prev)
+        logits = mx.concatenate(logits, axis=-1) if len(logits) > 1 else logits[0]
+        p = mx.softmax(mx.where(keep[:, None, :], logits, -mx.inf), axis=-1, precise=True)
+        out = None
+        for s0, s1 in blocks:
+            r = mx.depends(rows[:, s0:s1], p if out is None else out)
+            part = p[..., s0:s1] @ rows_f32(vflat, r, dv)
+            out = part if out is None else out + part
+        return out.reshape(B, n_q, 1, dv).astype(values.dtype)
 
     return mx.compile(attend)
 

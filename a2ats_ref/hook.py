@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from . import fast_decode
 from .cache import A2ATSCache, attention_modules, _head_dims
 from .rope import rope_params_from_module
 
@@ -87,12 +88,18 @@ def _modules_of(model) -> list[str]:
     return names
 
 
-def enable_a2ats(model):
+def enable_a2ats(model, *, tune_allocator: bool | None = None):
     """Route attention of A2ATSCache layers through A2ATS; returns model. Idempotent.
 
     Raises ValueError for models A2ATS cannot handle (unsupported module, RoPE variant
     that cannot be inverted exactly, partial rotary).
+
+    tune_allocator: apply fast_decode.tune_allocator() (glibc keeps freed large buffers instead of
+    unmapping them: process-wide, once). Default: on, unless the environment sets
+    A2ATS_TUNE_ALLOCATOR=0; pass False to leave malloc alone. It is what the benchmark runs with, so a
+    library user gets the benchmark's speed without flipping a switch.
     """
+    want_tuning = fast_decode.allocator_tuning_wanted(tune_allocator)
     for name in _modules_of(model):
         mod = sys.modules.get(name) or importlib.import_module(name)
         fn = getattr(mod, _NAME, None)
@@ -102,6 +109,8 @@ def enable_a2ats(model):
             continue
         _ORIGINALS[name] = fn
         setattr(mod, _NAME, _make_dispatcher(fn))
+    if want_tuning:
+        fast_decode.tune_allocator()
     return model
 
 

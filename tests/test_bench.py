@@ -22,6 +22,11 @@ def test_speed_quick_json_schema(tmp_path):
         assert r["dense_ms"] > 0 and r["a2ats_ms"] > 0 and r["speedup"] > 0
         if r["T"] >= 16384:  # below that, reading the K=4096 codebook for the LUT can outweigh the saving
             assert r["bytes_read"]["a2ats"] < r["bytes_read"]["dense"]
+    lib = res["library_decode"]   # the public-API rows: bench process, fresh process default, fresh untuned
+    assert [r["row"].split(" (")[0] for r in lib] == ["bench process", "library default", "library, A2ATS_TUNE_ALLOCATOR=0"]
+    assert all("error" not in r and r["dense_ms_per_token"] > 0 and r["a2ats_ms_per_token"] > 0 for r in lib), lib
+    assert [r["allocator_tuned"] for r in lib] == [True, True, False]
+    assert "library default" in md.read_text()
     for r in res["cache_update"]["rows"]:
         assert r["kvcache_ms"] > 0 and r["a2ats_ms"] > 0
     for r in res["memory"]["rows"]:

@@ -110,3 +110,23 @@ def test_errors_name_the_argument():
         decode_step_fast(m(q), m(k), m(v), mx.array(codes), CT, **{**kw, "topk": 1.5})
     with pytest.raises(ValueError, match="method"):
         decode_step_fast(m(q), m(k), m(v), mx.array(codes), CT, method="gpu", **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_blocked_gather_equals_one_block(monkeypatch, dtype):
+    """The attention step gathers the selection in blocks (GATHER_BLOCK_BYTES) and sums p @ V over them;
+    with 8-row blocks (many blocks, a ragged last one) the result is the oracle's exact attention."""
+    import a2ats_ref.fast_decode as fd
+
+    q, k, v, codes, C = _case(11, B=2, n_q=6, n_kv=2, dtype=dtype)
+    inv = oracle.rope_inv_freqs(16, 10000.0)
+    kw = dict(query_pos=299, b=2048, w=16, sinks=4, topk=0.1, inv_freqs=inv, traditional=False)
+    monkeypatch.setattr(fd, "GATHER_BLOCK_BYTES", 4 * 4 * 16 * 8)   # BH = 4, d = 16: 8 rows per block
+    fd._attend_fn.cache_clear()
+    try:
+        assert len(fd._gather_blocks(107, 4, 16)) == 14
+        out, mask = _run(q, k, v, codes, C, dtype, method="host", **kw)
+    finally:
+        fd._attend_fn.cache_clear()
+    rtol, atol = tolerance(dtype, "RET-ATTN")
+    np.testing.assert_allclose(out[:, :, 0], oracle.retrieval_attention(q[:, :, 0], k, v, mask), rtol=rtol, atol=atol)

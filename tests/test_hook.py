@@ -144,3 +144,25 @@ def test_decode_with_explicit_mask_is_refused():
     k, v = cache[0].update_and_fetch(mx.zeros((1, 2, 1, 16)), mx.zeros((1, 2, 1, 16)))
     with pytest.raises(ValueError, match="padding"):
         llama.scaled_dot_product_attention(q, k, v, cache=cache[0], scale=0.25, mask=mx.ones((1, 6), dtype=mx.bool_))
+
+
+def test_enable_applies_the_allocator_setting_unless_turned_off(monkeypatch):
+    """Library speed = benchmark speed: enable_a2ats applies fast_decode.tune_allocator by default;
+    A2ATS_TUNE_ALLOCATOR=0 or tune_allocator=False leaves malloc alone; a bad value names the variable."""
+    from a2ats_ref import fast_decode
+
+    calls = []
+    monkeypatch.setattr(fast_decode, "tune_allocator", lambda: calls.append(1) or True)
+    model = tiny_llama()
+    monkeypatch.delenv("A2ATS_TUNE_ALLOCATOR", raising=False)
+    enable_a2ats(model)
+    assert calls == [1]
+    enable_a2ats(model, tune_allocator=False)
+    monkeypatch.setenv("A2ATS_TUNE_ALLOCATOR", "0")
+    enable_a2ats(model)
+    assert calls == [1]
+    enable_a2ats(model, tune_allocator=True)
+    assert calls == [1, 1]
+    monkeypatch.setenv("A2ATS_TUNE_ALLOCATOR", "maybe")
+    with pytest.raises(ValueError, match="A2ATS_TUNE_ALLOCATOR"):
+        enable_a2ats(model)
