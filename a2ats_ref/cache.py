@@ -27,6 +27,7 @@ import json
 import math
 import numbers
 import warnings
+import weakref
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Optional, Sequence
@@ -529,6 +530,22 @@ def _head_dims(model, attn) -> tuple[int, int]:
     return int(n_kv), int(d)
 
 
+def _validate_once(codebook, model, config) -> None:
+    """codebook.validate_against(model, config=config), remembered per (model object, b) on the codebook:
+    the weights fingerprint hashes every weight, too slow to repeat for each prompt's cache of a large model.
+    (A model whose weights are changed in place later is not hashed again.)"""
+    seen = codebook.__dict__.setdefault("_a2ats_validated", {})
+    key = (id(model), config.b)
+    ref = seen.get(key)
+    if ref is not None and ref() is model:
+        return
+    codebook.validate_against(model, config=config)
+    try:
+        seen[key] = weakref.ref(model)
+    except TypeError:  # not weak-referenceable: validate every time
+        pass
+
+
 def make_a2ats_cache(
     model,
     codebook=None,
@@ -560,7 +577,7 @@ def make_a2ats_cache(
             )
         codebook = random_codebook(len(attns), n_kv, d, 256)
     if validate and getattr(codebook, "meta", None) and hasattr(codebook, "validate_against"):
-        codebook.validate_against(model, config=config)
+        _validate_once(codebook, model, config)
     codebook = A2ATSCodebook.coerce(codebook)
     if codebook.random:
         warnings.warn(RANDOM_CODEBOOK_WARNING, UserWarning, stacklevel=2)

@@ -163,6 +163,22 @@ def test_make_cache_validates_a_codebook_with_metadata():
     assert len(make_a2ats_cache(other, cb, A2ATSConfig(b=2048), validate=False)) == N_LAYERS
 
 
+def test_validation_is_remembered_per_model(monkeypatch):
+    """A cache per prompt must not re-hash every weight of a large model each time."""
+    import a2ats_ref.gguf as gguf
+
+    a = tiny_llama(seed=0)
+    cb = _codebook_for(a)
+    calls = []
+    orig = gguf.weights_fingerprint
+    monkeypatch.setattr(gguf, "weights_fingerprint", lambda m: (calls.append(1), orig(m))[1])
+    for _ in range(3):
+        make_a2ats_cache(a, cb, A2ATSConfig())
+    assert len(calls) == 1
+    with pytest.raises(CodebookError, match="weights_fingerprint"):
+        make_a2ats_cache(tiny_llama(seed=1), cb, A2ATSConfig())
+
+
 @pytest.mark.parametrize("bad", ["llama", 3, ["n_layers"]])
 def test_malformed_model_metadata_is_a_clear_error(bad):
     cb = _codebook_for(tiny_llama())
