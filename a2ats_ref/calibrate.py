@@ -38,7 +38,7 @@ from .codebook import Codebook, model_identity
 from .corpus import build_corpus
 from .eq15_cholesky import cholesky
 from .eq16_z_transform import z_transform
-from .eq17_kmeans import kmeans
+from .eq17_kmeans import kmeans, phase_stats
 from .fileio import check_writable
 
 DEFAULTS = dict(tokens=65536, codebook_size=4096, b=2048, seed=0, uuid_fraction=0.25, seq_len=1024, chunk=256,
@@ -213,6 +213,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
                                 checkpoint_tokens=checkpoint_tokens, quiet=quiet)
     timings["collect_s"] = round(time.perf_counter() - t0, 2)
     n_layers, n_kv, d = col.meta["n_layers"], col.meta["n_kv"], col.meta["head_dim"]
+    timings.update(_collect.collect_rates(model, corpus.sequences, col.meta, timings["collect_s"]))
 
     settings = {
         "codebook_size": K, "b": b, "seed": seed, "max_iter": max_iter, "tol": tol, "n_tokens": col.n_tokens,
@@ -226,6 +227,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
     mx.eval(L_all)
     t_moment = time.perf_counter() - t0
     t_kmeans = 0.0
+    km_stats: dict = {}   # k-means++ and Lloyd seconds and nominal FLOPs, summed over the heads fitted here
     n_heads_total = n_layers * n_kv
     t_fit0 = time.perf_counter()
     for l in range(n_layers):
@@ -239,7 +241,12 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
             for h in range(n_kv):
                 t0 = time.perf_counter()
                 z = z_transform(mx.array(col.keys[l][h]), L[h])  # EQ-16
-                C, _codes, hist = kmeans(z, K, seed=head_seed(seed, l, h), max_iter=max_iter, tol=tol)  # EQ-17
+                head_stats: dict = {}
+                C, _codes, hist = kmeans(z, K, seed=head_seed(seed, l, h), max_iter=max_iter, tol=tol,
+                                         stats=head_stats)  # EQ-17
+                for k, v in head_stats.items():
+                    km_stats[k] = km_stats.get(k, 0) + v
+                hs = phase_stats(head_stats)
                 mx.eval(C)
                 dt = time.perf_counter() - t0
                 t_kmeans += dt
@@ -252,7 +259,8 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
                 el = time.perf_counter() - t_fit0
                 _log(
                     f"k-means layer {l} head {h}: {len(hist)} steps, objective {objs[-1]:.4g} "
-                    f"(last step -{100 * rels[-1]:.3f}%), {dt:.1f}s "
+                    f"(last step -{100 * rels[-1]:.3f}%), {dt:.1f}s (k-means++ {hs['kmeans_init_s']}s "
+                    f"{hs['kmeans_init_gflops']} GFLOP/s, Lloyd {hs['kmeans_lloyd_s']}s {hs['kmeans_lloyd_gflops']} GFLOP/s) "
                     f"[{done}/{n_heads_total} heads, {el:.0f}s, ~{el / done * (n_heads_total - done):.0f}s left]",
                     quiet,
                 )
@@ -266,6 +274,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
         last_rel.append(rels)
     timings["moment_cholesky_s"] = round(t_moment, 2)
     timings["kmeans_s"] = round(t_kmeans, 2)
+    timings.update(phase_stats(km_stats))   # effective GFLOP/s of k-means++ and of the Lloyd steps
     timings["total_s"] = round(time.perf_counter() - t_start, 2)
 
     meta = {

@@ -212,6 +212,20 @@ def collect(
     )
 
 
+def collect_rates(model, sequences, meta: dict, seconds: float) -> dict:
+    """Tokens/s and effective GFLOP/s of a collection: nominal 2 FLOPs per layer weight per token plus the
+    causal attention (q k^T and p v, 4 d FLOPs per query head and (query, key) pair with key <= query)."""
+    from mlx.utils import tree_flatten
+
+    n_weights = sum(v.size for k, v in tree_flatten(model.parameters()) if ".layers." in f".{k}" and "layers" in k)
+    n_tok = sum(len(s) for s in sequences)
+    pairs = sum(len(s) * (len(s) + 1) / 2 for s in sequences)
+    flop = 2.0 * n_weights * n_tok + 4.0 * meta["head_dim"] * meta["n_q"] * meta["n_layers"] * pairs
+    ok = seconds > 0
+    return {"collect_tokens_per_s": round(n_tok / seconds, 1) if ok else None,
+            "collect_gflops": round(flop / seconds / 1e9, 2) if ok else None}
+
+
 def moment_from_sums(qsum: np.ndarray, count: int, *, ridge: float = 1e-6) -> mx.array:
     """EQ-10 from accumulated sums: H = qsum / count, then H / sqrt(mean(H**2)) + ridge*I (float32).
 

@@ -8,14 +8,16 @@ which keeps the objective non-increasing and every codeword in use.
 
 Scale: calibration runs N ~ 80K points, K = 4096, d = 64 per (layer, KV head).
 Distances use ||z||^2 - 2 z C^T + ||C||^2 on row chunks so the N x K matrix is
-never held at once; k-means++ skips points a new centre cannot reach (triangle
-inequality), which is exact and makes seeding O(N) per centre instead of O(N d).
+never held at once (BLOCK_ROWS rows: one GEMM, then an argmin while the block is in cache);
+k-means++ skips points a new centre cannot reach (triangle inequality), which is exact and makes
+seeding O(N) per centre instead of O(N d).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import time
 from typing import Callable
 
 import mlx.core as mx
@@ -24,7 +26,8 @@ import numpy as np
 from . import checks
 from .codes import mx_code_dtype
 
-ROW_CHUNK = 512  # a 512 x 4096 float32 block stays cache-friendly
+#: rows of z per distance block: a 128 x 4096 float32 block (2 MiB) is still in cache when the argmin reads it
+BLOCK_ROWS = 128
 
 
 def _points(z, name: str = "z") -> mx.array:
@@ -34,24 +37,31 @@ def _points(z, name: str = "z") -> mx.array:
     return z
 
 
-@mx.compile
-def _chunk_argmin(zc: mx.array, Ct_m2: mx.array, c2: mx.array) -> mx.array:
-    # ||z||^2 is constant per row, so it does not change the argmin; addmm folds the bias into the GEMM.
-    return mx.argmin(mx.addmm(c2, zc, Ct_m2), axis=-1)
+def _block(x: mx.array) -> np.ndarray:
+    """Evaluate one distance block and hand it to NumPy without a copy (NumPy's argmin is vectorised;
+    MLX's CPU argmin costs several times the GEMM that produced the block)."""
+    mx.eval(x)
+    return np.asarray(x)
 
 
 def nearest(z: mx.array, C: mx.array) -> tuple[mx.array, mx.array]:
-    """(codes int32 (N,), squared error (N,)) of each row of z to its nearest row of C (ties -> lowest)."""
+    """(codes int32 (N,), squared error (N,)) of each row of z to its nearest row of C (ties -> lowest).
+
+    Distances are one GEMM per BLOCK_ROWS rows, ||C||^2 - 2 z C^T (||z||^2 is constant per row, so it does
+    not change the argmin; addmm folds the bias into the GEMM), reduced by an argmin while the block is
+    in cache: only one block of the N x K distance matrix exists at a time.
+    """
     Ct_m2 = -2.0 * mx.swapaxes(C, 0, 1)
     c2 = mx.sum(C * C, axis=-1)
-    parts = []
-    for s in range(0, z.shape[0], ROW_CHUNK):
-        parts.append(_chunk_argmin(z[s : s + ROW_CHUNK], Ct_m2, c2))
-        mx.eval(parts[-1])  # one chunk's N x K block at a time
-    codes = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+    mx.eval(Ct_m2, c2)
+    N = z.shape[0]
+    codes = np.empty(N, dtype=np.int32)
+    for s in range(0, N, BLOCK_ROWS):
+        codes[s : s + BLOCK_ROWS] = _block(mx.addmm(c2, z[s : s + BLOCK_ROWS], Ct_m2)).argmin(axis=-1)
+    codes = mx.array(codes)
     # The error itself is computed directly, not by the (cancellation-prone) expansion.
     err = mx.sum(mx.square(z - C[codes]), axis=-1)
-    return codes.astype(mx.int32), err
+    return codes, err
 
 
 def kmeanspp_init(z, K: int, uniforms) -> mx.array:
@@ -141,14 +151,16 @@ def lloyd_step(z, C) -> tuple[mx.array, mx.array, float]:
     return sums / counts[:, None], codes.astype(mx_code_dtype(K)), objective
 
 
-@mx.compile
-def _chunk_two_nearest(zc: mx.array, Ct: mx.array, c2: mx.array, z2: mx.array):
-    dist = c2 - 2.0 * (zc @ Ct)
-    a = mx.argmin(dist, axis=-1)
-    first = mx.take_along_axis(dist, a[:, None], axis=-1)[:, 0]
-    second = mx.min(mx.where(mx.arange(dist.shape[-1]) == a[:, None], mx.inf, dist), axis=-1)
+def _two_nearest(zc: mx.array, Ct: mx.array, c2: np.ndarray, z2: np.ndarray):
+    """Nearest code and the distances (not squared) to the nearest and second-nearest centre, one block."""
+    dist = c2 - 2.0 * _block(zc @ Ct)
+    a = dist.argmin(axis=-1)
+    r = np.arange(a.size)
+    first = dist[r, a]
+    dist[r, a] = np.inf
+    second = dist.min(axis=-1)
     # Distances (not squared) for the bounds; the expansion can dip below zero by rounding.
-    return a, mx.sqrt(mx.maximum(first + z2, 0.0)), mx.sqrt(mx.maximum(second + z2, 0.0))
+    return a, np.sqrt(np.maximum(first + z2, 0.0)), np.sqrt(np.maximum(second + z2, 0.0))
 
 
 class _BoundedLloyd:
@@ -189,19 +201,16 @@ class _BoundedLloyd:
         self.recomputed.append(int(todo.size))
         if todo.size:
             Ct = mx.swapaxes(C, 0, 1)
-            c2 = mx.sum(C * C, axis=-1)
+            c2 = np.asarray(mx.sum(C * C, axis=-1))
+            z2 = np.asarray(self.z2)[todo]
             idx = mx.array(todo)
-            zs, z2s = z[idx], self.z2[idx]
-            a_parts, l_parts = [], []
-            for s in range(0, todo.size, ROW_CHUNK):
-                a, _, second = _chunk_two_nearest(zs[s : s + ROW_CHUNK], Ct, c2, z2s[s : s + ROW_CHUNK])
-                mx.eval(a, second)
-                a_parts.append(a)
-                l_parts.append(second)
-            a = mx.concatenate(a_parts) if len(a_parts) > 1 else a_parts[0]
-            self.codes[todo] = np.array(a)
-            self.lower[todo] = np.array(mx.concatenate(l_parts) if len(l_parts) > 1 else l_parts[0])
-            err[todo] = np.array(mx.sum(mx.square(zs - C[a]), axis=-1))
+            zs = z[idx]
+            a = np.empty(todo.size, dtype=np.int64)
+            for s in range(0, todo.size, BLOCK_ROWS):
+                a[s : s + BLOCK_ROWS], _, self.lower[todo[s : s + BLOCK_ROWS]] = _two_nearest(
+                    zs[s : s + BLOCK_ROWS], Ct, c2, z2[s : s + BLOCK_ROWS])
+            self.codes[todo] = a
+            err[todo] = np.array(mx.sum(mx.square(zs - C[mx.array(a)]), axis=-1))
         if not priming and todo.size > 0.5 * self.codes.size:
             self.bounded = False
         return self._update(C, err)
@@ -227,13 +236,14 @@ class _BoundedLloyd:
 
 def kmeans(
     z, K: int, *, seed: int, max_iter: int = 300, tol: float = 1e-4,
-    progress: Callable[[int, float], None] | None = None,
+    progress: Callable[[int, float], None] | None = None, stats: dict | None = None,
 ) -> tuple[mx.array, mx.array, np.ndarray]:
     """EQ-17-FIT: (C (K, d), codes (N,), history of objectives).
 
     Stops after step s when s == max_iter, f_s == 0, or s >= 2 and f_{s-1} - f_s < tol * f_{s-1};
     codes are the nearest rows of the returned C. progress(step, objective) is called after each step.
     The steps are EQ-17-STEP's, computed with exact pruning bounds (see _BoundedLloyd).
+    stats: if a dict is given, phase times are added to it (see phase_stats).
     """
     z = _points(z)
     K = checks.check_codebook_size(K)
@@ -244,7 +254,10 @@ def kmeans(
     if z.shape[0] < K:
         raise ValueError(f"z: need at least K={K} points, got N={z.shape[0]}")
     uniforms = np.random.default_rng(seed).random(K)
+    t0 = time.perf_counter()
     C = kmeanspp_init(z, K, uniforms)
+    mx.eval(C)
+    t1 = time.perf_counter()
     lloyd = _BoundedLloyd(z, K)
     history: list[float] = []
     for s in range(1, max_iter + 1):
@@ -256,4 +269,22 @@ def kmeans(
         if f == 0.0 or (s >= 2 and history[-2] - f < tol * history[-2]):
             break
     codes, _ = nearest(z, C)
+    mx.eval(codes)
+    if stats is not None:
+        N, d = z.shape
+        add = {"init_s": t1 - t0, "lloyd_s": time.perf_counter() - t1, "steps": len(history),
+               # nominal work: k-means++ measures N points per centre, each Lloyd step (and the final
+               # assignment) N x K distances; pruning skips part of it, so these are effective rates
+               "init_flop": 3.0 * N * d * K, "lloyd_flop": 2.0 * N * K * d * (len(history) + 1)}
+        for k, v in add.items():
+            stats[k] = stats.get(k, 0) + v
     return C, codes.astype(mx_code_dtype(K)), np.asarray(history)
+
+
+def phase_stats(stats: dict) -> dict:
+    """Seconds and effective GFLOP/s of k-means++ and of the Lloyd steps, from kmeans(stats=...)."""
+    rate = lambda f, t: round(f / t / 1e9, 2) if t > 0 else None
+    return {"kmeans_init_s": round(stats.get("init_s", 0.0), 2),
+            "kmeans_init_gflops": rate(stats.get("init_flop", 0.0), stats.get("init_s", 0.0)),
+            "kmeans_lloyd_s": round(stats.get("lloyd_s", 0.0), 2),
+            "kmeans_lloyd_gflops": rate(stats.get("lloyd_flop", 0.0), stats.get("lloyd_s", 0.0))}
