@@ -1,7 +1,7 @@
 """``a2ats-bench``: measured speed and fidelity of A2ATS on this machine.
 
     a2ats-bench speed    --json F [--md F] [--quick | --tiny] [--T 16384,65536]
-    a2ats-bench fidelity --json F [--md F] [--quick | --tiny]
+    a2ats-bench fidelity --json F [--md F] [--quick | --tiny] [--profile authors]
 
 Every result carries a machine description (CPU, cores, MLX version, BLAS in use, allocator tuning).
 Progress goes to stderr. ``--quick`` is the CI smoke size (minutes); ``--tiny`` is for unit tests (seconds).
@@ -190,6 +190,9 @@ def main(argv=None) -> int:
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="CI smoke size (a few minutes)")
     size.add_argument("--tiny", action="store_true", help="unit-test size (seconds)")
+    ap.add_argument("--profile", choices=["default", "authors"], default="default",
+                    help="fidelity: 'authors' runs at the authors' settings (K=4096, 64K+16K calibration tokens, "
+                         "w=64, b=2048, 8 sinks; about an hour on 2 cores)")
     ap.add_argument("--no-e2e", action="store_true", help="speed: skip the end-to-end SmolLM2 run")
     ap.add_argument("--no-conformance", action="store_true", help="speed: skip timing a2ats-conformance --profile ci")
     ap.add_argument("--no-tune-allocator", action="store_true",
@@ -206,6 +209,10 @@ def main(argv=None) -> int:
         if not Ts or any(t < 256 or t % 256 for t in Ts):
             ap.error(f"--T: every context length must be a positive multiple of 256, got {args.T!r}")
     profile = "tiny" if args.tiny else "quick" if args.quick else "full"
+    if args.profile == "authors":
+        if args.what != "fidelity" or args.quick:
+            ap.error("--profile authors: only for fidelity, full size or --tiny")
+        profile = "authors-tiny" if args.tiny else "authors"
     try:
         return _run(args, profile)
     except KeyboardInterrupt:

@@ -41,7 +41,8 @@ from .eq16_z_transform import z_transform
 from .eq17_kmeans import kmeans, phase_stats
 from .fileio import check_writable
 
-DEFAULTS = dict(tokens=65536, codebook_size=4096, b=2048, seed=0, uuid_fraction=0.25, seq_len=1024, chunk=256,
+DEFAULTS = dict(tokens=65536, codebook_size=4096, b=2048, seed=0, uuid_fraction=0.25, seq_len=16384, packing="documents",
+                chunk=256,
                 max_iter=300, tol=1e-4, checkpoint_tokens=8192)
 LOCK_NAME = ".lock"
 
@@ -70,6 +71,7 @@ def calibrate(
     seed: int = DEFAULTS["seed"],
     uuid_fraction: float = DEFAULTS["uuid_fraction"],
     seq_len: int = DEFAULTS["seq_len"],
+    packing: str = DEFAULTS["packing"],
     chunk: int = DEFAULTS["chunk"],
     max_iter: int = DEFAULTS["max_iter"],
     tol: float = DEFAULTS["tol"],
@@ -85,7 +87,7 @@ def calibrate(
     partial_dir: folder for resumable state (locked while this runs); resume=False discards what it holds.
     """
     kw = dict(texts=texts, tokens=tokens, codebook_size=codebook_size, b=b, seed=seed, uuid_fraction=uuid_fraction,
-              seq_len=seq_len, chunk=chunk, max_iter=max_iter, tol=tol, fingerprint=fingerprint,
+              seq_len=seq_len, packing=packing, chunk=chunk, max_iter=max_iter, tol=tol, fingerprint=fingerprint,
               checkpoint_tokens=checkpoint_tokens, quiet=quiet, model_source=model_source)
     if partial_dir is None:
         return _calibrate(model, tokenizer, partial=None, **kw)
@@ -141,7 +143,7 @@ def tokens_sha256(sequences) -> str:
     return h.hexdigest()
 
 
-def _check_distinct_tokens(corpus, K: int, *, tokenizer, texts, tokens, uuid_fraction, seq_len, seed) -> None:
+def _check_distinct_tokens(corpus, K: int, *, tokenizer, texts, tokens, uuid_fraction, seq_len, packing, seed) -> None:
     """k-means needs K distinct keys per KV head; layer 0's pre-RoPE keys depend only on the token id, so the corpus
     must hold at least K distinct tokens. Checked before the (long) collection, with settings that would work."""
     distinct = len({t for seq in corpus.sequences for t in seq})
@@ -152,7 +154,7 @@ def _check_distinct_tokens(corpus, K: int, *, tokenizer, texts, tokens, uuid_fra
     for _ in range(4):  # how many text tokens would give K distinct ones (tokenising is cheap next to collecting)
         budget *= 2
         bigger = build_corpus(tokenizer, paths=texts, tokens=budget, uuid_fraction=uuid_fraction, seq_len=seq_len,
-                              seed=seed)
+                              seed=seed, packing=packing)
         if len({t for seq in bigger.sequences for t in seq}) >= K:
             hint = f" --tokens {budget} would give enough;"
             break
@@ -170,7 +172,7 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_fraction, seq_len, chunk, max_iter,
+def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_fraction, seq_len, packing, chunk, max_iter,
                tol, fingerprint, partial, checkpoint_tokens, quiet, model_source) -> Codebook:
     t_start = time.perf_counter()
     timings: dict = {}
@@ -188,7 +190,8 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
     identity = model_identity(model, fingerprint=fingerprint)
 
     t0 = time.perf_counter()
-    corpus = build_corpus(tokenizer, paths=texts, tokens=tokens, uuid_fraction=uuid_fraction, seq_len=seq_len, seed=seed)
+    corpus = build_corpus(tokenizer, paths=texts, tokens=tokens, uuid_fraction=uuid_fraction, seq_len=seq_len, seed=seed,
+                          packing=packing)
     timings["corpus_s"] = round(time.perf_counter() - t0, 2)
     if corpus.text_tokens == 0:
         where = ", ".join(map(str, texts)) if texts else "the default corpus"
@@ -200,7 +203,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
             f"(--text), raise --tokens, or lower --codebook-size to at most {corpus.n_tokens}"
         )
     _check_distinct_tokens(corpus, K, tokenizer=tokenizer, texts=texts, tokens=tokens, uuid_fraction=uuid_fraction,
-                           seq_len=seq_len, seed=seed)
+                           seq_len=seq_len, packing=packing, seed=seed)
     _log(f"corpus: {corpus.text_tokens} text + {corpus.uuid_tokens} UUID tokens in {len(corpus.sequences)} sequences", quiet)
 
     tok_hash = tokens_sha256(corpus.sequences)
@@ -470,7 +473,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed for the UUID tail and k-means (default 0)")
     p.add_argument("--uuid-fraction", type=float, default=DEFAULTS["uuid_fraction"],
                    help="random-UUID tokens per text token (default 0.25: 16K per 64K, as the authors)")
-    p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"], help="tokens per calibration sequence, each prefilled from an empty cache (default 1024)")
+    p.add_argument("--seq-len", type=int, default=DEFAULTS["seq_len"],
+                   help="longest calibration sequence, each prefilled from an empty cache (default 16384, as the authors)")
+    p.add_argument("--packing", choices=["documents", "packed"], default=DEFAULTS["packing"],
+                   help="documents (default, the authors'): each document and the UUID tail its own BOS-led sequence, "
+                        "a document longer than --seq-len cut there; packed: documents joined by EOS into --seq-len "
+                        "sequences (uses all of one long file)")
     p.add_argument("--chunk", type=int, default=DEFAULTS["chunk"], help="prefill chunk size (default 256)")
     p.add_argument("--max-iter", type=int, default=DEFAULTS["max_iter"], help="k-means steps at most (default 300)")
     p.add_argument("--tol", type=float, default=DEFAULTS["tol"], help="k-means relative tolerance (default 1e-4)")
@@ -538,7 +546,8 @@ def main(argv=None) -> int:
                 _clear_partial(partial)
             cb = _calibrate(
                 model, tok, texts=args.text, tokens=args.tokens, codebook_size=args.codebook_size, b=args.b,
-                seed=args.seed, uuid_fraction=args.uuid_fraction, seq_len=args.seq_len, chunk=args.chunk,
+                seed=args.seed, uuid_fraction=args.uuid_fraction, seq_len=args.seq_len, packing=args.packing,
+                chunk=args.chunk,
                 max_iter=args.max_iter, tol=args.tol, partial=partial, checkpoint_tokens=DEFAULTS["checkpoint_tokens"],
                 quiet=args.quiet, model_source=str(src), fingerprint=fingerprint,
             )

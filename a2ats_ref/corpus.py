@@ -7,7 +7,13 @@ the path relative to the stdlib root, which mixes modules without any randomness
 depends on the Python version, which the codebook metadata records.
 
 The UUID tail is ``uuid_fraction`` x (text tokens) tokens of random UUID4 strings drawn from
-``random.Random(seed)``, one per line.
+``random.Random(seed)``.
+
+Packing. ``packing="documents"`` (the default) follows the authors (vqkey/notebooks/construct_codebooks.py
+at 71f10b0, lines 170-204): every document is its own sequence, BOS first, cut at ``seq_len`` tokens
+(16,384 there), and the UUID tail is one more such sequence of UUIDs joined by ", " (continued in further
+sequences if it is longer than ``seq_len``). The last document is cut so the text totals exactly the budget.
+``packing="packed"``: documents joined by EOS into ``seq_len``-token sequences, no BOS, one UUID per line.
 """
 
 from __future__ import annotations
@@ -72,9 +78,9 @@ def read_text(p: Path) -> str:
         raise ValueError(f"cannot read calibration text {p}: {exc}") from None
 
 
-def uuid_text(n_lines: int, seed: int) -> str:
+def uuid_text(n_lines: int, seed: int, sep: str = "\n") -> str:
     rng = random.Random(seed)
-    return "\n".join(str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(n_lines))
+    return sep.join(str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(n_lines))
 
 
 @dataclass
@@ -120,14 +126,35 @@ def _pack(docs: Iterator[list[int]], budget: int, seq_len: int, sep: int | None)
     return seqs, total
 
 
+def _documents(docs: Iterator[list[int]], budget: int, seq_len: int, bos: list[int],
+               *, continue_long: bool = False) -> tuple[list, int]:
+    """Each document its own sequence, ``bos`` first, cut at ``seq_len`` tokens (or, with ``continue_long``,
+    continued in further ``bos``-led sequences), until ``budget`` tokens."""
+    seqs, total = [], 0
+    for ids in docs:
+        while total < budget:
+            take = min(seq_len, budget - total) - len(bos)
+            if take <= 0:
+                return seqs, total
+            seqs.append(bos + ids[:take])
+            total += len(seqs[-1])
+            ids = ids[take:]
+            if not (continue_long and ids):
+                break
+        if total >= budget:
+            break
+    return seqs, total
+
+
 def build_corpus(
     tokenizer,
     *,
     paths=None,
     tokens: int = 65536,
     uuid_fraction: float = 0.25,
-    seq_len: int = 2048,
+    seq_len: int = 16384,
     seed: int = 0,
+    packing: str = "documents",
 ) -> Corpus:
     """Tokenised calibration corpus: ``tokens`` text tokens, then ``uuid_fraction * tokens`` UUID tokens.
 
@@ -139,6 +166,8 @@ def build_corpus(
         raise ValueError(f"uuid_fraction: expected a number in [0, 10] (UUID tokens per text token), got {uuid_fraction}")
     if seq_len < 1:
         raise ValueError(f"seq_len: expected a positive sequence length, got {seq_len}")
+    if packing not in ("documents", "packed"):
+        raise ValueError(f"packing: expected 'documents' (the authors') or 'packed', got {packing!r}")
     files = user_files(paths) if paths else stdlib_files()
     source = "user" if paths else "python-stdlib"
     sep = getattr(tokenizer, "eos_token_id", None)
@@ -149,17 +178,28 @@ def build_corpus(
             if text.strip():
                 yield _encode(tokenizer, text)
 
-    seqs, n_text = _pack(docs(), tokens, seq_len, sep)
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    bos = [bos_id] if packing == "documents" and bos_id is not None else []
+    if seq_len <= len(bos):
+        raise ValueError(f"seq_len: a sequence holds BOS and at least one token, so it must be >= 2, got {seq_len}")
+    if packing == "documents":
+        seqs, n_text = _documents(docs(), tokens, seq_len, bos)
+    else:
+        seqs, n_text = _pack(docs(), tokens, seq_len, sep)
+    joiner = ", " if packing == "documents" else "\n"
     n_uuid_target = int(round(uuid_fraction * n_text))
     n_uuid = 0
     if n_uuid_target > 0:
         # ~ 25 tokens per UUID line for byte-level BPEs; draw generously, then cut to the budget.
         lines = max(16, n_uuid_target // 8)
-        ids = _encode(tokenizer, uuid_text(lines, seed))
+        ids = _encode(tokenizer, uuid_text(lines, seed, joiner))
         while len(ids) < n_uuid_target:
             lines *= 2
-            ids = _encode(tokenizer, uuid_text(lines, seed))
-        useq, n_uuid = _pack(iter([ids]), n_uuid_target, seq_len, None)
+            ids = _encode(tokenizer, uuid_text(lines, seed, joiner))
+        if packing == "documents":
+            useq, n_uuid = _documents(iter([ids]), n_uuid_target, seq_len, bos, continue_long=True)
+        else:
+            useq, n_uuid = _pack(iter([ids]), n_uuid_target, seq_len, None)
         seqs.extend(useq)
     desc = {
         "source": source,
@@ -170,5 +210,7 @@ def build_corpus(
         "uuid_fraction": uuid_fraction,
         "uuid_seed": seed,
         "seq_len": seq_len,
+        "packing": packing,
+        "bos_token_id": bos[0] if bos else None,
     }
     return Corpus(sequences=seqs, text_tokens=n_text, uuid_tokens=n_uuid, description=desc)

@@ -59,3 +59,61 @@ def test_fidelity_text_is_disjoint_from_calibration_text():
     ev, ca = bf.eval_text(20000), bf.calib_text(20000)
     assert len(ev) == len(ca) == 20000
     assert ev[:2000] not in ca
+
+
+def test_fidelity_authors_tiny_runs_the_authors_code_path(tmp_path):
+    # `--profile authors --tiny`: the same code as the hour-long authors run, at toy sizes.
+    out, md = tmp_path / "fa.json", tmp_path / "fa.md"
+    assert bench.main(["fidelity", "--profile", "authors", "--tiny", "--json", str(out), "--md", str(md)]) == 0
+    res = json.loads(out.read_text())
+    assert res["profile"] == "authors-tiny" and res["codebook"]["packing"] == "documents"
+    assert res["config"] == {"b": 2048, "w": 64, "sinks": 8}
+    r = res["recall"]
+    budgets = ["1%", "2%", "3%", "5%", "10%"]
+    assert set(r["attention_mass_recall"]) == {"query_aware_vq", "query_aware_vq_bf16", "plain_vq", "wrope_true_keys",
+                                               "exact_topk", "window_sinks"}
+    for row in r["attention_mass_recall"].values():
+        assert list(row) == budgets and all(0 < x <= 1 + 1e-9 for x in row.values())
+    # exact top-K is the ceiling of any selection of the same budget
+    for meth in ("query_aware_vq", "plain_vq", "wrope_true_keys", "window_sinks"):
+        for b_ in budgets:
+            assert r["attention_mass_recall"][meth][b_] <= r["attention_mass_recall"]["exact_topk"][b_] + 1e-9
+    assert 0 <= r["bf16_codes_differ_share"] <= 1
+    assert set(r["score_error"]["plain"]["per_layer"]) == {"0", "29"}
+    assert len(r["score_error"]["query_aware"]["per_layer"]) == 30
+    assert set(r["b_sweep_wrope_true_keys"]) == {"0", "64", "2048"}
+    rc = res["retrieval_vs_compression"]
+    assert [b_["context_tokens"] for b_ in rc] == [160, 192]
+    for blk in rc:
+        assert {"compression_faithful", "compression_velox", "a2ats_3%"} <= set(blk["rows"])
+    for row in res["ppl"]:
+        assert all(row[m] > 1 for m in ("dense", "a2ats", "compression_faithful", "compression_velox"))
+    acc = res["needles"]["accuracy"]
+    assert set(acc) == {"passkey@160", "multikey@160"} and acc["multikey@160"]["n"] == 1
+    pk = res["packing"]
+    assert pk["documents"]["tokens"] == pk["packed"]["tokens"]          # equal token count, equal K
+    assert "## Retrieval vs compression" in md.read_text()
+
+
+class _CharTok:
+    """A character-level stand-in tokenizer: enough for the packing rules."""
+    bos_token_id, eos_token_id = 1, 2
+
+    def encode(self, text, add_special_tokens=False):
+        return [3 + (ord(c) % 200) for c in text]
+
+
+def test_calibration_packing_follows_the_authors():
+    from a2ats_ref.bench_fidelity import calibration_sequences
+
+    tok = _CharTok()
+    seqs, n_text, n_uuid = calibration_sequences(tok, text_tokens=3000, uuid_tokens=500, max_len=400,
+                                                 packing="documents")
+    assert (n_text, n_uuid) == (3000, 500)
+    assert all(s[0] == tok.bos_token_id and len(s) <= 400 for s in seqs)     # BOS first, at most max_len
+    assert sum(map(len, seqs[:-2])) == 3000 and [len(s) for s in seqs[-2:]] == [400, 100]  # UUID tail: 400 + 100
+    assert tok.encode(", ")[0] in seqs[-1] and tok.eos_token_id not in seqs[-1]
+    seqs_p, n_text_p, n_uuid_p = calibration_sequences(tok, text_tokens=3000, uuid_tokens=500, max_len=400,
+                                                       packing="packed")
+    assert (n_text_p, n_uuid_p) == (3000, 500)
+    assert all(len(s) <= 1024 for s in seqs_p) and seqs_p[0][0] != tok.bos_token_id

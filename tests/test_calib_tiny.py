@@ -54,7 +54,7 @@ def text_file(tmp_path_factory):
 def tiny_codebook(text_file):
     m = tiny_model()
     cb = cal.calibrate(m, ByteTokenizer(), texts=[text_file], tokens=300, codebook_size=16, b=64, seed=3,
-                       seq_len=128, chunk=48, quiet=True)
+                       seq_len=128, packing="packed", chunk=48, quiet=True)
     return m, cb
 
 
@@ -97,7 +97,7 @@ def test_config_b_must_match(tiny_codebook):
 def test_reproducible(text_file, tiny_codebook):
     m, cb = tiny_codebook
     again = cal.calibrate(m, ByteTokenizer(), texts=[text_file], tokens=300, codebook_size=16, b=64, seed=3,
-                          seq_len=128, chunk=48, quiet=True)
+                          seq_len=128, packing="packed", chunk=48, quiet=True)
     for l in range(cb.n_layers):
         np.testing.assert_array_equal(np.array(again.cz[l]), np.array(cb.cz[l]))
 
@@ -194,7 +194,7 @@ def test_cli_reports_bad_model_path(tmp_path, capsys):
 
 def test_resume_reuses_finished_layers(text_file, tmp_path):
     m = tiny_model()
-    kw = dict(texts=[text_file], tokens=200, codebook_size=8, b=64, seed=0, seq_len=128, quiet=True)
+    kw = dict(texts=[text_file], tokens=200, codebook_size=8, b=64, seed=0, seq_len=128, packing="packed", quiet=True)
     first = cal.calibrate(m, ByteTokenizer(), partial_dir=tmp_path / "p", **kw)
     files = sorted((tmp_path / "p").glob("layer_*.safetensors"))
     assert len(files) == 2 and list((tmp_path / "p").glob("collect_*.npz"))

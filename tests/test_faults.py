@@ -360,7 +360,7 @@ from a2ats_ref import calibrate as cal  # noqa: E402
 from a2ats_ref import collect as col  # noqa: E402
 from test_calib_tiny import TEXT, ByteTokenizer, tiny_model  # noqa: E402
 
-CAL = dict(tokens=300, codebook_size=8, b=64, seed=0, seq_len=128, chunk=64, quiet=True)
+CAL = dict(tokens=300, codebook_size=8, b=64, seed=0, seq_len=128, packing="packed", chunk=64, quiet=True)
 
 
 def _same_codebook(a, b) -> bool:
@@ -390,7 +390,7 @@ def slow(*a, **k):
     return orig(*a, **k)
 col.collect = slow
 cal.calibrate(tiny_model(), ByteTokenizer(), texts=[TEXTFILE], partial_dir=PARTIAL, tokens=300, codebook_size=8, b=64,
-              seq_len=128, chunk=64, quiet=True)
+              seq_len=128, packing="packed", chunk=64, quiet=True)
 """
 
 
@@ -474,7 +474,7 @@ def test_collection_is_checkpointed(tmp_path, monkeypatch):
     monkeypatch.setattr(col, "collect", dies_on_second_group)
     with pytest.raises(KeyboardInterrupt):
         cal.calibrate(m, ByteTokenizer(), texts=[text], partial_dir=tmp_path / "p", **kw)
-    n_groups = len(cal._groups(cal.build_corpus(ByteTokenizer(), paths=[text], tokens=300, seq_len=128, seed=0).sequences, 128))
+    n_groups = len(cal._groups(cal.build_corpus(ByteTokenizer(), paths=[text], tokens=300, seq_len=128, seed=0, packing="packed").sequences, 128))
     calls.clear()
     monkeypatch.setattr(col, "collect", lambda *a, **k: (calls.append(1), orig(*a, **k))[1])
     resumed = cal.calibrate(m, ByteTokenizer(), texts=[text], partial_dir=tmp_path / "p", **kw)

@@ -106,7 +106,7 @@ def test_small_calibration_drives_the_cache(quantized, dense):
     from a2ats_ref.hook import disable_a2ats, enable_a2ats
 
     dmodel, dtok, dinfo = dense
-    cb = calibrate(dmodel, dtok, tokens=96, codebook_size=8, b=2048, seed=0, seq_len=128, chunk=128, max_iter=3,
+    cb = calibrate(dmodel, dtok, tokens=96, codebook_size=8, b=2048, seed=0, seq_len=128, packing="packed", chunk=128, max_iter=3,
                    fingerprint=dinfo.fingerprint, quiet=True)
     assert cb.meta["tokens"]["uuid"] == 24 and cb.meta["corpus"]["source"] == "python-stdlib"
     model, tok, _ = quantized
