@@ -12,9 +12,13 @@ only after a failure; a passing run never imports this module.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import numpy as np
 
 from .deviations import DEVIATIONS, Deviation, Model
+from .repro import fill_placeholder
 from .tolerances import tolerance
 
 __all__ = ["diagnose", "help_lines", "replay"]
@@ -33,10 +37,18 @@ def _up(x):
 
 def replay(model: Model, calls) -> dict[int, object]:
     """Outputs of ``model`` on the recorded calls: index -> result (_SKIP / _ERR where none)."""
+    tmp = tempfile.mkdtemp(prefix="a2ats-diagnose-")   # recorded save/load paths are placeholders (repro.py)
+    try:
+        return _replay(model, calls, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replay(model: Model, calls, tmp: str) -> dict[int, object]:
     outs: dict[int, object] = {}
     caches: list = []
     for idx, (name, args, kwargs) in enumerate(calls):
-        a = tuple(_up(x) for x in args)
+        a = tuple(_up(fill_placeholder(x, tmp)) for x in args)
         kw = {k: _up(v) for k, v in kwargs.items()}
         try:
             if name == "make_cache":
@@ -45,6 +57,8 @@ def replay(model: Model, calls) -> dict[int, object]:
             elif name.startswith("cache") and "." in name:
                 ci, meth = name[len("cache"):].split(".", 1)
                 res = getattr(caches[int(ci)], meth)(*a, **kw)
+                if meth == "load":   # a loaded cache is the next cache<i> of the recording (test_cache.CacheCalls)
+                    caches.append(res)
                 outs[idx] = _SKIP if meth in ("load", "save", "append") else res
             else:
                 outs[idx] = getattr(model, name)(*a, **kw)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from a2ats_conformance import hypothesis_helpers as hh
 from a2ats_conformance.adapter import get_member
+from a2ats_conformance.repro import TMP_PLACEHOLDER
 from a2ats_conformance.decode_checks import check_decode
 from a2ats_spec import oracle
 
@@ -53,13 +54,14 @@ def _tokens(ctx, config, rng, start, n):
 
 
 class CacheCalls:
-    """Logs cache method calls into the ctx (for the failure message) and runs them."""
+    """Logs cache method calls into the ctx (for the failure message and the replay) and runs them.  The
+    replay numbers caches in creation order: make_cache and load each make the next ``cache<i>``."""
 
-    def __init__(self, ctx, config):
+    def __init__(self, ctx, config, *, loaded=None):
         self.ctx = ctx
-        self.cfg = _cast_config(ctx, config)
-        self.index = sum(1 for c in ctx.calls if c[0] == "make_cache")
-        self.cache = ctx.call("make_cache", self.cfg)
+        self.cfg = _cast_config(ctx, config) if loaded is None else config
+        self.cache = ctx.call("make_cache", self.cfg) if loaded is None else loaded
+        self.index = sum(1 for c in ctx.calls if c[0] == "make_cache" or c[0].endswith(".load")) - 1
 
     def __getattr__(self, name):
         attr = get_member(self.cache, name)   # a member the cache lacks: not-implemented, not AttributeError
@@ -67,19 +69,15 @@ class CacheCalls:
             return attr
 
         def run(*a, **kw):
-            out = self.ctx.logged(f"cache{self.index}.{name}", a, kw, attr)
-            return _Loaded(out) if name == "load" else out
+            if name in ("save", "load") and a and isinstance(a[0], str):
+                # The file lives in a temp folder that is gone by replay time: log a placeholder the
+                # replay fills with a fresh folder of its own (counterexample files stay self-contained).
+                shown = (TMP_PLACEHOLDER + "/" + os.path.basename(a[0]),) + a[1:]
+                out = self.ctx.logged(f"cache{self.index}.{name}", shown, kw, lambda *_, **__: attr(*a, **kw))
+            else:
+                out = self.ctx.logged(f"cache{self.index}.{name}", a, kw, attr)
+            return CacheCalls(self.ctx, self.cfg, loaded=out) if name == "load" else out
         return run
-
-
-class _Loaded:
-    """A cache returned by ``load``: its members are looked up like the factory's caches."""
-
-    def __init__(self, cache):
-        self.cache = cache
-
-    def __getattr__(self, name):
-        return get_member(self.cache, name)
 
 
 def _state(c):

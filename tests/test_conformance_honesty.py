@@ -14,6 +14,7 @@ import pytest
 from a2ats_conformance.adapter import NotImplementedByIUT
 from a2ats_conformance.cli import main
 from a2ats_conformance.plugin import _not_implemented
+from a2ats_conformance.repro import TMP_PLACEHOLDER, load_counterexample
 
 
 def _run(tmp_path, *args):
@@ -145,3 +146,30 @@ def test_bad_report_path_is_rejected_before_the_run(tmp_path, flag):
     assert "conformance:" not in p.stdout and time.time() - t0 < 60    # no suite ran
     p = subprocess.run([*CLI, "--profile", "quick", flag, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "is a folder" in p.stderr
+
+
+# --------------------------------------------------------------------------- replay
+
+def test_cache_replay_is_self_contained_and_names_the_divergence(tmp_path, capsys):
+    code, rep, md, _ = _cli(tmp_path, "--iut", "honesty_adapters.partial_cache:LossyLoad", "--profile", "selftest",
+                            "--seed", "0", "-q", "--clauses", "CACHE-SAVE")
+    cex = rep["clauses"]["CACHE-SAVE"]["counterexample"]
+    assert code == 1 and rep["clauses"]["CACHE-SAVE"]["status"] == "fail"
+    # one copy-paste line: this interpreter, the file, the IUT, and the import path it needs
+    assert cex["repro"] == (f"PYTHONPATH={ROOT} {sys.executable} -m a2ats_conformance.repro {cex['npz']} "
+                            "--iut honesty_adapters.partial_cache:LossyLoad")
+    assert cex["repro"] in md
+    meta, calls = load_counterexample(cex["npz"])
+    paths = [a for _, args, _ in calls for a in args if isinstance(a, str)]
+    assert paths and all(p.startswith(TMP_PLACEHOLDER + "/") for p in paths), paths   # no dead temp path
+    p = subprocess.run(cex["repro"], shell=True, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "<-- first divergence from the oracle" in p.stdout, p.stdout + p.stderr
+    assert "mismatched elements" in p.stdout or "shape" in p.stdout
+
+
+def test_repro_requires_the_iut(tmp_path):
+    code, rep, _, _ = _cli(tmp_path, "--iut", "a2ats_conformance.mutants:TopkCeil", "--profile", "selftest", "--seed",
+                           "0", "-q", "--clauses", "RET-TOPK")
+    npz = rep["clauses"]["RET-TOPK"]["counterexample"]["npz"]
+    p = subprocess.run([sys.executable, "-m", "a2ats_conformance.repro", npz], capture_output=True, text=True)
+    assert p.returncode == 2 and "--iut is required" in p.stderr and "a2ats_conformance.mutants:TopkCeil" in p.stderr

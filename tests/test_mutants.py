@@ -50,7 +50,8 @@ def test_mutant_is_rejected_on_its_clause(tmp_path, name):
     assert cex["repro"].startswith(f"{sys.executable} -m a2ats_conformance.repro ")   # copy-paste: full interpreter path
     meta, calls = load_counterexample(cex["npz"])              # reloads without pickle
     assert calls and meta["dtype"] == "float32" and meta["iut"].endswith(name)
-    rows = replay(cex["npz"], out=io.StringIO())                # the repro command's engine runs
+    rows = replay(cex["npz"], meta["iut"], out=io.StringIO())   # the repro command's engine runs
+    assert any(r["diffs"] for r in rows), rows                     # and shows where the port leaves the oracle
     assert [r["fn"] for r in rows] == [c[0] for c in calls]
     causes = cex.get("likely_causes")                          # diagnosis names the mutant's own bug first
     assert causes and causes[0]["id"] == MUTANT_CAUSES[name], (name, causes)

@@ -29,3 +29,20 @@ class NoTrim:
 
 class DeclaredNoTrim(NoTrim):
     capabilities = {"cache_ops": ("append", "decode", "prefill")}
+
+
+class LossyLoad(NoTrim):
+    """The reference cache whose load drops the last token: CACHE-SAVE fails, and its counterexample
+    records a save/load path that the replay must fill with a fresh folder."""
+
+    def make_cache(self, config):
+        cache = self._ref.make_cache(config)
+        load = cache.load
+
+        def lossy(path):
+            c = load(path)
+            if c.offset:
+                c.trim(1)
+            return c
+        cache.load = lossy
+        return cache
