@@ -227,15 +227,16 @@ def _md_failure(cid: str, c: dict) -> list[str]:
         out.append(f"- what: {cex['message'].splitlines()[0]}")
     if cex.get("case"):
         out.append(f"- case: `{json.dumps(cex['case'], default=str)[:400]}`")
-    causes = cex.get("likely_causes")
-    if causes:
-        for lc in causes:
-            out.append(f"- likely cause: {lc.get('text') or lc.get('cause') or lc}" if isinstance(lc, dict)
-                       else f"- likely cause: {lc}")
-    elif "likely_causes" in cex:
+    for lc in cex.get("likely_causes") or ():   # diagnose.py: {"id", "cause", "matched", "of"}
+        out.append(f"- likely cause: {lc.get('cause')}, matches {lc.get('matched')}/{lc.get('of')} failing examples "
+                   f"[`{lc.get('id')}`]" if isinstance(lc, dict) else f"- likely cause: {lc}")
+    if "likely_causes" in cex and not cex["likely_causes"]:
         out.append("- likely cause: no known cause matched")
     if cex.get("repro"):
         out.append(f"- replay: `{cex['repro']}`")
+    rev = cex.get("revealing")
+    if rev:
+        out.append(f"- revealing example ({rev.get('region')}): {rev.get('message')}; replay: `{rev.get('repro')}`")
     excerpt = cex.get("details") or ("\n".join(cex["message"].splitlines()[1:]) if cex.get("message") else "")
     if excerpt.strip():
         out += ["", "```text", excerpt.strip()[:1500], "```"]

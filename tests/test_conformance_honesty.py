@@ -27,9 +27,11 @@ def _run(tmp_path, *args):
 def test_fraction_only_port_gets_no_integer_topk(tmp_path):
     code, rep, st = _run(tmp_path, "--iut", "honesty_adapters.fraction_only",
                          "--clauses", "RET-TOPK,RET-SELECT,RET-DECODE,EQ-17-INIT")
-    assert st == {"RET-TOPK": "pass", "RET-SELECT": "pass", "RET-DECODE": "pass", "EQ-17-INIT": "not-applicable"}, rep
+    assert st == {"RET-TOPK": "pass", "RET-SELECT": "pass", "RET-DECODE": "pass", "EQ-17-INIT": "pass"}, rep
     assert code == 0
-    assert "randomness 'explicit'" in rep["clauses"]["EQ-17-INIT"]["reason"]
+    stream = {n: t for n, t in rep["tests"].items() if "test_kmeanspp_init_matches_oracle" in n}
+    assert [t["outcome"] for t in stream.values()] == ["not-applicable"], stream   # the oracle-stream test
+    assert "randomness 'explicit'" in next(iter(stream.values()))["reason"]
     assert rep["implementation"]["capabilities"]["topk"] == ["fraction"]
 
 
@@ -40,6 +42,17 @@ def test_cache_without_trim(tmp_path, adapter, status):
     assert st == {"CACHE-TRIM": status, "CACHE-SAVE": status, "CACHE-DECODE": "pass"}, rep["clauses"]
     assert code == 0
     assert "trim" in rep["clauses"]["CACHE-TRIM"]["reason"]
+
+
+def test_clause_of_only_not_applicable_tests_reads_not_applicable():
+    from a2ats_conformance.cli import clause_table
+
+    tests = {"a": {"clauses": ["EQ-17-INIT"], "outcome": "not-applicable", "reason": "not-applicable: x", "examples": 0},
+             "b": {"clauses": ["EQ-17-INIT", "EQ-14"], "outcome": "skip", "examples": 0},
+             "c": {"clauses": ["EQ-14"], "outcome": "passed", "examples": 0}}
+    t = clause_table(tests, ["EQ-17-INIT", "EQ-14"])
+    assert t["EQ-17-INIT"]["status"] == "not-applicable" and t["EQ-17-INIT"]["reason"] == "not-applicable: x"
+    assert t["EQ-14"]["status"] == "untested"          # passed with 0 examples is not a pass
 
 
 def test_not_implemented_inside_an_exception_group():
