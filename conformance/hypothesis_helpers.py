@@ -22,10 +22,13 @@ from . import capabilities
 __all__ = [
     "MAX_POSITION", "head_dims", "rope_params", "layouts", "topk_values", "topk_for_count", "gqa_heads", "positions", "spd_matrices",
     "rng_from", "as_strategy", "normal", "codebook_case", "scores_case", "kmeans_points",
+    "LONG_POSITION", "max_positions",
 ]
 
-#: Largest absolute position the suite draws (the float32 tolerances assume it).
+#: Largest absolute position of most draws (the tolerance table's bound, tolerances.TABLE_MAX_POSITION).
 MAX_POSITION = 4096
+#: Largest position the suite reaches (a 128K context); tolerances grow with position past MAX_POSITION.
+LONG_POSITION = 131_072
 HEAD_DIMS = (2, 4, 6, 8, 10, 16, 32, 64)
 BASES = (10000.0, 100000.0, 500000.0)
 
@@ -113,6 +116,11 @@ def gqa_heads(draw, *, max_kv: int = 3, max_group: int = 3):
     n_kv = draw(st.integers(1, max_kv), label="n_kv")
     G = draw(st.integers(1, max_group), label="G")
     return n_kv * G, n_kv
+
+
+def max_positions():
+    """An upper bound for drawn positions: mostly the table's bound, sometimes up to a 128K context."""
+    return st.sampled_from([MAX_POSITION, MAX_POSITION, 32_768, LONG_POSITION])
 
 
 @st.composite

@@ -131,6 +131,7 @@ class Context:
         self.last_failure: dict | None = None
         #: failing examples seen by this test, (clause, calls, outputs, notes): what diagnose.py reads
         self.failures: list[dict] = []
+        self.max_position: int | None = None   # largest RoPE position (or b) of the example; see positions_up_to
         try:   # every property announces its dtype (bfloat16 arrays arrive as float32)
             adapter.input_dtype = dtype
         except AttributeError:
@@ -142,6 +143,7 @@ class Context:
         self.calls = []
         self.outputs = {}
         self.notes = {}
+        self.max_position = None
 
     def note(self, **kw) -> None:
         """Record drawn parameters (seeds, shapes) for the failure message."""
@@ -203,13 +205,19 @@ class Context:
         self.fail(clause, f"{name}: {what} must raise ValueError, but the call returned {_describe(out)}")
 
     # ------------------------------------------------------------------ assertions
+    def positions_up_to(self, max_position) -> None:
+        """Declare the example's largest RoPE position (or b): past the tolerance table's bound, the
+        position-dependent tolerances (tolerances.tolerance) grow with it."""
+        self.max_position = int(max_position)
+        self.note(max_position=self.max_position)
+
     def tol(self, clause: str) -> tuple[float, float]:
-        return tolerance(self.dtype, clause)
+        return tolerance(self.dtype, clause, self.max_position)
 
     def margin(self, clause: str, values) -> float:
         """Tie margin for ranking ``values`` (oracle outputs): relative to their magnitude."""
         scale = float(np.max(np.abs(values))) if np.size(values) else 1.0
-        return tie_margin(self.dtype, clause) * max(1.0, scale)
+        return tie_margin(self.dtype, clause, self.max_position) * max(1.0, scale)
 
     def assert_close(self, actual, expected, *, clause: str, what: str, rtol=None, atol=None) -> None:
         r, a = self.tol(clause)

@@ -1,25 +1,28 @@
-"""CACHE-*: the port's KV cache (adapter.make_cache), checked through the NumPy cache protocol."""
+"""CACHE-*: the port's KV cache (adapter.make_cache), checked through the NumPy cache protocol, against the
+float64 model of that protocol (a2ats_spec.oracle.OracleCache) where the clause compares with the oracle."""
 
 import os
 import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from a2ats_conformance import capabilities
 from a2ats_conformance import hypothesis_helpers as hh
 from a2ats_conformance.adapter import get_member
 from a2ats_conformance.repro import TMP_PLACEHOLDER
 from a2ats_conformance.decode_checks import check_decode
+from a2ats_conformance.tolerances import tolerance
 from a2ats_spec import oracle
 
 
 @st.composite
-def cache_setup(draw, *, max_T=24, topk=None, w=None, sinks=None):
-    p = draw(hh.rope_params(max_dim=16, scaled=False), label="rope")
-    n_q, n_kv = draw(hh.gqa_heads(max_kv=2), label="heads")
-    K = draw(st.sampled_from([2, 8, 300]), label="K")
+def cache_setup(draw, *, max_T=24, topk=None, w=None, sinks=None, max_dim=16, Ks=(2, 8, 300), heads=None):
+    p = draw(hh.rope_params(max_dim=max_dim, scaled=False), label="rope")
+    n_q, n_kv = draw(hh.gqa_heads(max_kv=2) if heads is None else heads, label="heads")
+    K = draw(st.sampled_from(Ks), label="K")
     seed = draw(hh.seeds(), label="seed")
     rng = hh.rng_from(seed)
     d = p["d"]
@@ -29,7 +32,8 @@ def cache_setup(draw, *, max_T=24, topk=None, w=None, sinks=None):
                   inv_freqs=p["inv_freqs"], traditional=p["traditional"],
                   w=draw(st.integers(0, 6), label="w") if w is None else w, b=draw(st.sampled_from([64, 2048]), label="b"),
                   sinks=draw(st.integers(0, 3), label="sinks") if sinks is None else sinks,
-                  topk=draw(hh.topk_values(fractions=(0.1, 0.5), counts=(2, 4)), label="topk") if topk is None else topk, scale=None)
+                  topk=draw(hh.topk_values(fractions=(0.1, 0.5), counts=(2, 4)) if topk is None else hh.as_strategy(topk, "topk"),
+                            label="topk"), scale=None)
     return config, rng, dict(seed=seed, n_q=n_q, n_kv=n_kv, K=K, head_dim=d, w=config["w"], b=config["b"],
                              sinks=config["sinks"], topk=config["topk"])
 
@@ -42,15 +46,29 @@ def _cast_config(ctx, config):
     return out
 
 
-def _tokens(ctx, config, rng, start, n):
-    """n tokens at positions start..start+n-1: (pre-RoPE keys, post-RoPE keys, values) as IUT inputs."""
+def _tokens(ctx, config, rng, start, n, lead=()):
+    """n tokens at positions start..start+n-1: (pre-RoPE keys, post-RoPE keys, values) as IUT inputs.
+
+    lead: leading batch shape, (B,) for a batched cache (CACHE-BATCH)."""
     n_kv, d = config["n_kv_heads"], config["head_dim"]
-    k_pre = ctx.cast(hh.normal(rng, (n_kv, n, d)))
+    k_pre = ctx.cast(hh.normal(rng, lead + (n_kv, n, d)))
     inv = ctx.cast(config["inv_freqs"], param=True).astype(np.float64)
     k_post = ctx.cast(oracle.rope_apply(k_pre.astype(np.float64), np.arange(start, start + n), inv,
                                         traditional=config["traditional"]))
-    v = ctx.cast(hh.normal(rng, (n_kv, n, d)))
+    v = ctx.cast(hh.normal(rng, lead + (n_kv, n, d)))
     return k_pre, k_post, v
+
+
+def _query(ctx, config, rng, pos, lead=()):
+    """A decode query (n_q, d), post-RoPE at position pos (its own key is the last cached one)."""
+    q = hh.normal(rng, lead + (config["n_q_heads"], config["head_dim"]))
+    inv = ctx.cast(config["inv_freqs"], param=True).astype(np.float64)
+    return ctx.cast(oracle.rope_apply(q, pos, inv, traditional=config["traditional"]))
+
+
+def _oracle_cache(cache_calls):
+    """The float64 model fed the same rounded config as the port's cache."""
+    return oracle.OracleCache(cache_calls.cfg)
 
 
 class CacheCalls:
@@ -142,25 +160,39 @@ def test_trim_rejects_what_is_not_a_count(ctx, setup, n):
 
 
 @pytest.mark.clause("CACHE-CHUNK", requires={"cache_ops": "prefill"})
-@given(setup=cache_setup(), T=st.integers(2, 24), cuts=st.lists(st.integers(1, 23), max_size=3))
+@given(setup=cache_setup(), T=st.one_of(st.integers(2, 24), st.integers(250, 300)),
+       cuts=st.lists(st.integers(1, 299), max_size=3))
 def test_chunked_prefill(ctx, setup, T, cuts):
+    """Chunk by chunk, the cached keys and values, the codes (allowed sets) and each chunk's prefill output
+    equal the oracle cache's (OracleCache fed the same chunks), not just the port's own one-shot state;
+    the codes after chunking equal the one-shot codes. T up to 300 crosses a 256-token buffer growth."""
     config, rng, notes = setup
     bounds = sorted({c for c in cuts if c < T})
     ctx.note(**notes, T=T, chunks=bounds)
     _, k, v = _tokens(ctx, config, rng, 0, T)
     q = ctx.cast(hh.normal(rng, (config["n_q_heads"], T, config["head_dim"])))
     one, chunked = CacheCalls(ctx, config), CacheCalls(ctx, config)
+    orc = _oracle_cache(chunked)
     one.append(k, v)
     edges = [0] + bounds + [T]
     for a, b in zip(edges[:-1], edges[1:]):
         chunked.append(k[:, a:b], v[:, a:b])
+        orc.append(k[:, a:b], v[:, a:b])
+        kk, vv = chunked.keys_values()
+        ok, ov = orc.keys_values()
+        ctx.assert_close(kk, ok, clause="CACHE-CHUNK", what=f"cached keys after chunk [{a}, {b}) vs the oracle cache")
+        ctx.assert_close(vv, ov, clause="CACHE-CHUNK", what=f"cached values after chunk [{a}, {b}) vs the oracle cache")
         if b - a > 1:
             out = chunked.prefill(q[:, a:b])
-            kk, vv = chunked.keys_values()
-            exp = ctx.oracle("prefill_attention", q[:, a:b], np.asarray(kk), np.asarray(vv))
-            ctx.assert_close(out, exp, clause="CACHE-CHUNK", what=f"prefill output of chunk [{a}, {b})")
-    ctx.assert_equal(np.asarray(chunked.codes()), np.asarray(one.codes()), clause="CACHE-CHUNK",
-                     what="codes after chunked vs one-shot prefill")
+            ctx.assert_close(out, orc.prefill(q[:, a:b]), clause="CACHE-CHUNK",
+                             what=f"prefill output of chunk [{a}, {b}) vs the oracle cache's")
+    codes = np.asarray(chunked.codes())
+    dist = orc.code_distances()
+    allowed = oracle.argmin_allowed(dist, ctx.margin("CACHE-CHUNK", dist))
+    for g in range(config["n_kv_heads"]):
+        ctx.assert_in_allowed(codes[g], allowed[g], clause="CACHE-CHUNK", what=f"codes after chunked prefill, KV head {g}",
+                              values=dist[g])
+    ctx.assert_equal(codes, np.asarray(one.codes()), clause="CACHE-CHUNK", what="codes after chunked vs one-shot prefill")
 
 
 @pytest.mark.clause("CACHE-DECODE", "CACHE-FAR-CODES", requires={"cache_ops": "decode"})
@@ -281,3 +313,125 @@ def test_cache_codes_dtype(ctx, setup, T):
     want = oracle.code_dtype(config["Cz"].shape[1])
     if got != want:
         ctx.fail("CODES-DTYPE", f"cache codes have dtype {got}, expected {want} for K={config['Cz'].shape[1]}")
+
+
+def _check_cache_decode(ctx, c, orc, q, clause, what=""):
+    """Port decode vs the oracle cache: codes in the allowed sets, the selection in the (must, may) sets scored
+    with the port's own codes, the output exact attention over the port's selection. Margins follow
+    ctx.max_position; the output tolerance does not (attention itself rotates nothing)."""
+    codes = np.asarray(c.codes())
+    n = codes.shape[-1]
+    tail = slice(max(0, n - 64), n)   # the last tokens, plus a sample of the rest: O(T) but not O(T K d)
+    idx = np.unique(np.concatenate([np.arange(n)[tail], np.linspace(0, n - 1, 64).astype(np.int64)]))
+    dist = orc.code_distances(idx)
+    allowed = oracle.argmin_allowed(dist, ctx.margin("CACHE-FAR-CODES", dist))
+    for g in range(codes.shape[-2]):
+        ctx.assert_in_allowed(codes[..., g, idx], allowed[..., g, :, :], clause="CACHE-FAR-CODES",
+                              what=f"{what}codes of KV head {g} at positions {idx[0]}..{idx[-1]}", values=dist[..., g, :, :])
+    out, mask = c.decode(q)
+    must, may = orc.decode_allowed(q, codes, lambda s: ctx.margin(clause, s))
+    ctx.assert_mask_allowed(np.asarray(mask), must, may, clause=clause, what=f"{what}selected set (oracle cache, port's codes)")
+    r, a = tolerance(ctx.dtype, clause)
+    ctx.assert_close(out, orc.attention(q, np.asarray(mask)), clause=clause, rtol=r, atol=a,
+                     what=f"{what}output vs exact attention over the selected post-RoPE keys")
+    return out, mask
+
+
+@pytest.mark.clause("CACHE-BATCH", requires={"cache_ops": ("batch", "decode")})
+@given(setup=cache_setup(), B=st.integers(2, 3), T=st.integers(1, 24), split=st.integers(0, 24))
+def test_batched_decode_rows(ctx, setup, B, T, split):
+    """Row r of a batched cache (config["batch"] = B) equals a batch-of-one cache fed only row r: codes,
+    selection and output; and the batched decode is an allowed decode of the oracle cache, row by row."""
+    config, rng, notes = setup
+    split = min(split, T)
+    ctx.note(**notes, B=B, T=T, split=split)
+    _, k, v = _tokens(ctx, config, rng, 0, T, lead=(B,))
+    q = _query(ctx, config, rng, T - 1, lead=(B,))
+    big = CacheCalls(ctx, dict(config, batch=B))
+    rows = [CacheCalls(ctx, config) for _ in range(B)]
+    for a, b in ((0, split), (split, T)):
+        if b > a:
+            big.append(k[:, :, a:b], v[:, :, a:b])
+            for r in range(B):
+                rows[r].append(k[r, :, a:b], v[r, :, a:b])
+    out, mask = big.decode(q)
+    out, mask, codes = np.asarray(out), np.asarray(mask), np.asarray(big.codes())
+    n_kv, n_q = config["n_kv_heads"], config["n_q_heads"]
+    for name, x, shape in (("out", out, (B, n_q, v.shape[-1])), ("mask", mask, (B, n_kv, T)), ("codes", codes, (B, n_kv, T))):
+        if x.shape != shape:
+            ctx.fail("CACHE-BATCH", f"batched {name}: shape {x.shape}, expected {shape} (leading batch axis)")
+    for r in range(B):
+        o1, m1 = rows[r].decode(q[r])
+        ctx.assert_equal(codes[r], np.asarray(rows[r].codes()), clause="CACHE-BATCH", what=f"row {r} codes vs a batch-of-one cache")
+        ctx.assert_equal(mask[r], np.asarray(m1), clause="CACHE-BATCH", what=f"row {r} selection vs a batch-of-one cache")
+        ctx.assert_close(out[r], o1, clause="CACHE-BATCH", what=f"row {r} output vs a batch-of-one cache")
+    orc = _oracle_cache(big)
+    orc.append(k, v)
+    must, may = orc.decode_allowed(q, codes, lambda s: ctx.margin("CACHE-BATCH", s))
+    ctx.assert_mask_allowed(mask, must, may, clause="CACHE-BATCH", what="batched selection (oracle cache, per row)")
+
+
+#: Starting positions of the long-context test: past one 256-token buffer, past float16's exact integers
+#: (2048), past the tolerance table's bound (4096). The 128K context is one explicit example per run (a
+#: 131,072-token append costs seconds); the host selection test covers 32,768+ candidates.
+_LONG_STARTS = (300, 2100, 5000, 9000)
+@pytest.mark.clause("CACHE-DECODE", "CACHE-FAR-CODES", requires={"cache_ops": "decode"})
+@settings(max_examples=max(3, settings.default.max_examples // 5))   # each new buffer length compiles a decode
+@given(setup=cache_setup(max_dim=8, Ks=(8, 64)), start=st.sampled_from(_LONG_STARTS), T=st.integers(1, 16),
+       cut=st.floats(0.0, 1.0))
+@example(setup=None, start=hh.LONG_POSITION - 16, T=16, cut=0.5)   # reach position 131,071 in every run
+def test_long_positions(ctx, setup, start, T, cut):
+    """Codes and decode at positions up to 131,071 (the cache grows its buffers past 256 tokens on the way):
+    a long prefix written in two appends, then T tokens; codes and the decode checked against the oracle
+    cache. Margins grow with the largest position (tolerances.angle_error), never the other way round."""
+    if setup is None:
+        setup = _fixed_setup(d=2, n_q=2, n_kv=1, K=8, w=4, sinks=2, topk=hh.topk_for_count(100, start + T))
+    config, rng, notes = setup
+    ctx.note(**notes, start=start, T=T, cut=cut)
+    ctx.positions_up_to(max(start + T - 1, config["b"]))
+    c = CacheCalls(ctx, config)
+    orc = _oracle_cache(c)
+    mid = int(cut * start)
+    for a, b in ((0, mid), (mid, start), (start, start + T)):
+        if b > a:
+            _, k, v = _tokens(ctx, config, rng, a, b - a)
+            c.append(k, v)
+            orc.append(k, v)
+    q = _query(ctx, config, rng, start + T - 1)
+    _check_cache_decode(ctx, c, orc, q, "CACHE-DECODE")
+
+
+def _fixed_setup(*, d, n_q, n_kv, K, w, sinks, topk, b=2048, seed=7):
+    """A cache_setup tuple built without Hypothesis (for @example), in the IUT's first declared RoPE layout."""
+    rng = hh.rng_from(seed)
+    traditional = capabilities.current().traditional_values[0]
+    inv = oracle.rope_inv_freqs(d, 10000.0)
+    Cz = hh.normal(rng, (n_kv, K, d))
+    L = np.stack([oracle.cholesky(hh.spd_matrix(rng, d, cond=10.0)) for _ in range(n_kv)])
+    config = dict(n_kv_heads=n_kv, n_q_heads=n_q, head_dim=d, Cz=Cz, L=L, C=oracle.back_transform(Cz, L),
+                  inv_freqs=inv, traditional=traditional, w=w, b=b, sinks=sinks, topk=topk, scale=None)
+    return config, rng, dict(seed=seed, n_q=n_q, n_kv=n_kv, K=K, head_dim=d, w=w, b=b, sinks=sinks, topk=topk)
+
+#: a2ats_ref/fast_decode.py selects on the host from this many candidates (HOST_SELECT_MIN); a port may have
+#: any such threshold, the suite only makes sure one example per run is past it.
+_HOST_CANDIDATES = 32_768
+
+
+@pytest.mark.clause("CACHE-DECODE", requires={"cache_ops": "decode"})
+@settings(max_examples=1)
+@given(setup=cache_setup(max_dim=4, Ks=(256, 1024), heads=st.sampled_from([(2, 1), (4, 2), (4, 1)]),
+                         topk=hh.topk_values(fractions=(0.01, 0.03), counts=(330, 1000))),
+       extra=st.integers(0, 2000))
+def test_host_selection_path(ctx, setup, extra):
+    """A decode over >= 32,768 candidates (tiny d, many codes, GQA groups of >= 2): large-T selection paths
+    (the reference's host top-k) give an allowed selection. One example per run, whatever the profile."""
+    config, rng, notes = setup
+    T = _HOST_CANDIDATES + config["w"] + config["sinks"] + extra
+    ctx.note(**notes, T=T)
+    ctx.positions_up_to(max(T - 1, config["b"]))
+    c = CacheCalls(ctx, config)
+    orc = _oracle_cache(c)
+    _, k, v = _tokens(ctx, config, rng, 0, T)
+    c.append(k, v)
+    orc.append(k, v)
+    _check_cache_decode(ctx, c, orc, _query(ctx, config, rng, T - 1), "CACHE-DECODE")

@@ -19,7 +19,7 @@ def _rope_case(draw, max_T=12):
     p = draw(hh.rope_params(), label="rope")
     T = draw(st.integers(1, max_T), label="T")
     lead = draw(st.sampled_from([(), (2,), (2, 3)]), label="lead")
-    pos = draw(hh.positions(T), label="positions")
+    pos = draw(hh.positions(T, max_position=draw(hh.max_positions(), label="max_position")), label="positions")
     seed = draw(hh.seeds(), label="seed")
     x = hh.normal(hh.rng_from(seed), lead + (T, p["d"]))
     return p, pos, x, seed
@@ -30,6 +30,7 @@ def _rope_case(draw, max_T=12):
 def test_rope_apply_matches_oracle(ctx, data):
     p, pos, x, seed = _rope_case(data.draw)
     ctx.note(seed=seed, head_dim=p["d"], traditional=p["traditional"], positions=pos.tolist())
+    ctx.positions_up_to(pos.max())
     ctx.check("rope_apply", x, pos, p["inv_freqs"], traditional=p["traditional"], clause="ROPE-APPLY")
 
 
@@ -56,6 +57,7 @@ def test_rope_apply_relative(ctx, data):
 def test_rope_invert_matches_oracle(ctx, data):
     p, pos, x, seed = _rope_case(data.draw)
     ctx.note(seed=seed, head_dim=p["d"], traditional=p["traditional"], positions=pos.tolist())
+    ctx.positions_up_to(pos.max())
     ctx.check("rope_invert", x, pos, p["inv_freqs"], traditional=p["traditional"], clause="ROPE-INVERSE")
 
 
@@ -65,10 +67,12 @@ def test_rope_invert_is_per_token(ctx, data):
     """Per-token inverse: a block of tokens at p0 + t is undone token by token (not a rotation by -p0)."""
     p = data.draw(hh.rope_params(), label="rope")
     T = data.draw(st.integers(2, 12), label="T")
-    pos = data.draw(hh.positions(T, contiguous=True), label="positions")
+    pos = data.draw(hh.positions(T, contiguous=True, max_position=data.draw(hh.max_positions(), label="max_position")),
+                    label="positions")
     seed = data.draw(hh.seeds(), label="seed")
     x = hh.normal(hh.rng_from(seed), (T, p["d"]))
     ctx.note(seed=seed, head_dim=p["d"], traditional=p["traditional"], p0=int(pos[0]), T=T)
+    ctx.positions_up_to(pos.max())
     kw = dict(inv_freqs=p["inv_freqs"], traditional=p["traditional"])
     y = ctx.call("rope_apply", x, pos, **kw)
     back = ctx.call("rope_invert", y, pos, **kw)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Tol", "TOLERANCES", "OVERRIDES", "tolerance", "tie_margin", "dtype_name", "DTYPES"]
+__all__ = ["Tol", "TOLERANCES", "OVERRIDES", "tolerance", "tie_margin", "dtype_name", "DTYPES", "TABLE_MAX_POSITION",
+           "POSITION_CLAUSES", "angle_error"]
 
 
 class Tol(NamedTuple):
@@ -41,9 +42,9 @@ TOLERANCES: dict[str, Tol] = {
 }
 
 _ANGLE = (
-    "RoPE angles m*omega are formed in the port's compute precision: for positions up to 4096 (the "
-    "suite's bound) a float32 angle carries up to ~2.5e-4 rad of rounding error, which is the error of "
-    "every rotated coordinate"
+    "RoPE angles m*omega are formed in the port's compute precision: for positions up to 4096 "
+    "(TABLE_MAX_POSITION) a float32 angle carries up to ~2.5e-4 rad of rounding error, which is the error of "
+    "every rotated coordinate; beyond 4096 tolerance() grows atol with the position (angle_error)"
 )
 
 #: Per-clause overrides: OVERRIDES[clause][dtype] -> Tol. Only loosen with a reason.
@@ -75,6 +76,29 @@ OVERRIDES: dict[str, dict[str, Tol]] = {
 }
 
 
+#: The table's entries hold for RoPE positions (and b) up to this bound; the suite draws up to 131,072.
+TABLE_MAX_POSITION = 4096
+
+#: Clauses whose error grows with the largest RoPE position m (or b) of an example, and by how many
+#: float32 angle errors: a rotated coordinate, a de-rotated key, a far query q R_(b-i), a score or a code
+#: distance built from one rotation carries one angle error; a round trip (ROPE-INVERSE of ROPE-APPLY) or a
+#: near score (both sides rotated, EQ-11) two.
+POSITION_CLAUSES: dict[str, int] = {
+    "ROPE-APPLY": 1, "ROPE-INVERSE": 2, "EQ-11": 2, "EQ-12": 1, "RET-LUT": 1, "RET-DECODE": 1,
+    "CACHE-DECODE": 1, "CACHE-FAR-CODES": 1, "CACHE-CHUNK": 1, "CACHE-BATCH": 1, "CACHE-TRIM": 1,
+}
+
+
+def angle_error(max_position: float) -> float:
+    """Bound (radians) on the float32 rounding of a RoPE angle m·ω with |m| <= max_position and ω <= 1.
+
+    The product is rounded once to float32 (unit roundoff 2^-24), so its error is at most |m|·2^-24: about
+    2.4e-4 rad at the table's bound 4096 (the reason of the ROPE-APPLY entry) and 7.8e-3 rad at 131,072.
+    Every rotated coordinate of an order-1 vector carries that much error; nothing in float32 can avoid it.
+    """
+    return abs(float(max_position)) * 2.0 ** -24
+
+
 def dtype_name(dtype) -> str:
     """Canonical dtype name: accepts a string, a numpy dtype/type, or an object with ``.name``."""
     if isinstance(dtype, str):
@@ -94,8 +118,13 @@ def dtype_name(dtype) -> str:
     return name
 
 
-def tolerance(dtype, clause: str | None = None) -> tuple[float, float]:
+def tolerance(dtype, clause: str | None = None, max_position: float | None = None) -> tuple[float, float]:
     """(rtol, atol) for outputs computed from ``dtype`` inputs under ``clause``.
+
+    ``max_position``: the largest RoPE position (or b) of the example. Past TABLE_MAX_POSITION, for the
+    POSITION_CLAUSES and every dtype but float64, atol grows with it: at least 4 (headroom, as in the table)
+    times the clause's number of angle errors times angle_error(max_position). Below the bound the table
+    entry applies unchanged, so small-position examples keep the tight tolerances.
 
     Overrides are only ever looser than the base entry (a tighter override would be silently
     ineffective for some dtypes); the result is the elementwise max of the base and the override.
@@ -112,15 +141,19 @@ def tolerance(dtype, clause: str | None = None) -> tuple[float, float]:
     for ov in candidates:
         if ov is not None:
             rtol, atol = max(rtol, ov.rtol), max(atol, ov.atol)
+    n_angles = POSITION_CLAUSES.get(clause or "", 0)
+    if n_angles and name != "float64" and max_position is not None and abs(max_position) > TABLE_MAX_POSITION:
+        atol = max(atol, 4.0 * n_angles * angle_error(max_position))
     return rtol, atol
 
 
-def tie_margin(dtype, clause: str | None = None) -> float:
+def tie_margin(dtype, clause: str | None = None, max_position: float | None = None) -> float:
     """Absolute margin under which two oracle scores count as tied for discrete outputs.
 
     An argmin/top-K result is accepted when it is optimal up to this margin (allowed-result
     set).  It is the comparison tolerance at scale 1, times 4 for headroom, because the
-    quantities being ranked are themselves outputs with ``tolerance(dtype, clause)`` error.
+    quantities being ranked are themselves outputs with ``tolerance(dtype, clause)`` error
+    (position-dependent past TABLE_MAX_POSITION, see ``tolerance``).
     """
-    rtol, atol = tolerance(dtype, clause)
+    rtol, atol = tolerance(dtype, clause, max_position)
     return 4.0 * (atol + rtol)

@@ -28,6 +28,8 @@ from . import oracle as _o
 
 __all__ = ["OracleCache"]
 
+#: tokens per block of code assignment: bounds the (tokens, K, d) temporaries of a long append
+_BLOCK = 4096
 _KEYS = ("n_kv_heads", "n_q_heads", "head_dim", "Cz", "L", "inv_freqs", "traditional", "w", "b", "sinks", "topk")
 
 
@@ -92,6 +94,11 @@ class OracleCache:
     def _out(self, x: np.ndarray) -> np.ndarray:
         return x if self.batched else x[0]
 
+    def _assign(self, k_post: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """CACHE-FAR-CODES: EQ-12 de-rotation at each token's own position, then EQ-16, per KV head."""
+        k_pre = _o.far_keys(k_post, pos, self.inv_freqs, traditional=self.traditional)
+        return np.stack([_o.assign_z(k_pre[:, g], self.Cz[g], self.L[g]) for g in range(self.n_kv)], axis=1)
+
     # ------------------------------------------------------------------ protocol
     @property
     def offset(self) -> int:
@@ -105,13 +112,13 @@ class OracleCache:
             raise ValueError(f"values: value dim {v.shape[-1]} differs from the cached {self._v.shape[-1]}")
         t = k.shape[-2]
         pos = np.arange(self.offset, self.offset + t)
-        k_pre = _o.far_keys(k, pos, self.inv_freqs, traditional=self.traditional)
-        codes = np.stack([_o.assign_z(k_pre[:, g], self.Cz[g], self.L[g]) for g in range(self.n_kv)], axis=1)
+        codes = np.concatenate([self._assign(k[:, :, a:a + _BLOCK], pos[a:a + _BLOCK])
+                                for a in range(0, t, _BLOCK)] or [np.zeros((self.B, self.n_kv, 0), np.int64)], axis=2)
         if self.offset == 0:
             self._v = np.zeros(v.shape[:2] + (0, v.shape[-1]))
         self._k = np.concatenate([self._k, k], axis=2)
         self._v = np.concatenate([self._v, v], axis=2)
-        self._c = np.concatenate([self._c, codes.reshape(self.B, self.n_kv, t)], axis=2)
+        self._c = np.concatenate([self._c, codes], axis=2)
 
     def decode(self, q_post: Any) -> tuple[np.ndarray, np.ndarray]:
         """RET-DECODE for one query (n_q, d) post-RoPE at position offset-1 -> (out (n_q, dv), mask (n_kv, offset))."""
@@ -176,18 +183,22 @@ class OracleCache:
         if self.offset == 0:
             raise ValueError(f"{what}: the cache is empty; append the query's own key/value first")
 
-    def code_distances(self) -> np.ndarray:
-        """EQ-16 distances ‖k_pre L - Cz_j‖² of every cached token: (n_kv, offset, K) (batch axis first if batched)."""
-        k_pre = _o.far_keys(self._k, self.positions(), self.inv_freqs, traditional=self.traditional)
+    def code_distances(self, tokens: Any = None) -> np.ndarray:
+        """EQ-16 distances ‖k_pre L - Cz_j‖² of the cached tokens: (n_kv, n, K) (batch axis first if batched).
+
+        tokens: indices or a slice of the cached tokens (default all of them).
+        """
+        idx = np.arange(self.offset)[slice(None) if tokens is None else tokens]
+        k_pre = _o.far_keys(self._k[:, :, idx], idx, self.inv_freqs, traditional=self.traditional)
         dist = np.stack([_o.assign_z_distances(k_pre[:, g], self.Cz[g], self.L[g]) for g in range(self.n_kv)], axis=1)
         return self._out(dist)
 
-    def code_allowed(self, margin: float | Callable[[np.ndarray], float]) -> np.ndarray:
-        """CACHE-FAR-CODES. Allowed codes (n_kv, offset, K) bool: argmin_allowed of code_distances().
+    def code_allowed(self, margin: float | Callable[[np.ndarray], float], tokens: Any = None) -> np.ndarray:
+        """CACHE-FAR-CODES. Allowed codes (n_kv, n, K) bool: argmin_allowed of code_distances(tokens).
 
         margin: a number, or a callable of the distances returning one (e.g. a tolerance-table margin).
         """
-        dist = self.code_distances()
+        dist = self.code_distances(tokens)
         return _o.argmin_allowed(dist, _margin(margin, dist))
 
     def decode_scores(self, q_post: Any, codes: Any) -> np.ndarray:

@@ -36,7 +36,7 @@ def R_explicit(m, omega, traditional):
 PLAN_IDS = ["ROPE-FREQ", "ROPE-APPLY", "ROPE-INVERSE", "EQ-10", "EQ-11", "EQ-12", "EQ-13", "EQ-14", "EQ-15",
             "EQ-16", "EQ-17-INIT", "EQ-17-STEP", "EQ-17-FIT", "EQ-18", "RET-LUT", "RET-TOPK", "RET-SELECT",
             "RET-ATTN", "RET-DECODE", "PREFILL", "CODES-DTYPE", "INPUT-ERRORS", "CACHE-TRIM", "CACHE-CHUNK",
-            "CACHE-DENSE-EQUIV", "CACHE-DECODE", "CACHE-FAR-CODES", "CACHE-SAVE"]
+            "CACHE-DENSE-EQUIV", "CACHE-DECODE", "CACHE-FAR-CODES", "CACHE-SAVE", "CACHE-BATCH"]
 
 
 def test_clause_registry_has_every_planned_id():
