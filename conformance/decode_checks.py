@@ -10,8 +10,11 @@ def _f64(ctx, x):
     return ctx.cast(x).astype(np.float64)
 
 
-def check_decode(ctx, out, mask, inp, clause):
-    """mask must be an allowed selection under the oracle's scores; out = exact attention over that mask."""
+def check_decode(ctx, out, mask, inp, clause, *, margin_clause=None):
+    """mask must be an allowed selection under the oracle's scores; out = exact attention over that mask.
+
+    margin_clause: whose tie margin judges the selection (default ``clause``); the near-tie property uses
+    RET-LUT's, the accuracy of the scores being ranked."""
     o = {k: (_f64(ctx, v) if isinstance(v, np.ndarray) and v.dtype.kind == "f" else v) for k, v in inp.items()}
     o["inv_freqs"] = ctx.cast(inp["inv_freqs"], param=True).astype(np.float64)
     qb = oracle.far_query(o["q_post"], b=o["b"], inv_freqs=o["inv_freqs"], traditional=o["traditional"],
@@ -19,7 +22,7 @@ def check_decode(ctx, out, mask, inp, clause):
     scores = oracle.token_scores(oracle.lut_scores(qb, o["C"]), o["codes"])
     n_kv = o["k_post"].shape[0]
     must, may = oracle.select_tokens_allowed(scores, n_kv_heads=n_kv, query_pos=o["query_pos"], w=o["w"],
-                                             sinks=o["sinks"], topk=o["topk"], margin=ctx.margin(clause, scores))
+                                             sinks=o["sinks"], topk=o["topk"], margin=ctx.margin(margin_clause or clause, scores))
     ctx.assert_mask_allowed(mask, must, may, clause=clause, what="selected set",
                             selection=dict(scores=scores, query_pos=o["query_pos"], w=o["w"], sinks=o["sinks"],
                                            topk=o["topk"]))

@@ -18,7 +18,7 @@ from a2ats_spec import oracle as _o
 
 from .adapters.reference import ReferenceAdapter, ReferenceCache
 
-__all__ = ["MUTANTS", "Mutant"]
+__all__ = ["MUTANTS", "COVERAGE_MUTANTS", "Mutant"]
 
 
 def _np(x):
@@ -208,4 +208,153 @@ MUTANTS = {cls.__name__: cls for cls in (
     DerotateScalarOffset, WindowOffByOne, BTiedToW, FarKeysRotated, LTransposed, HNotPooled, CosineBlend,
     TopkCeil, UnionMissing, CompressionOnly, TrimForgetsPositions,
     FarQueryInAttention,
+)}
+
+
+# --------------------------------------------------------------------------- coverage mutants (issue 9, item 7)
+# Bugs the suite of commit 1cf8c61 never reached: each names the coverage item whose property kills it
+# (tests/test_coverage_mutants.py proves the kill; notes/9-coverage.md records that the old suite missed it).
+
+class Float16Lut(Mutant):
+    expected_clause = "RET-DECODE"
+    coverage_item = "near ties"
+    bug = "LUT computed in float16 (q_b and C rounded to float16, float16 scores): near ties ranked wrongly"
+
+    def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
+                    scale=None, return_mask=False):
+        qb = _np(self._ref.far_query(q_post, b=b, inv_freqs=inv_freqs, traditional=traditional,
+                                     positions=np.int64(query_pos)))
+        C16 = np.asarray(C).astype(np.float16)
+        n_q, d = qb.shape[-2:]
+        G = n_q // C16.shape[0]
+        s = np.float16(1.0 / math.sqrt(d) if scale is None else scale)
+        lut = np.stack([(qb[h].astype(np.float16) @ C16[h // G].T) * s for h in range(n_q)])
+        scores = _o.token_scores(lut.astype(np.float64), np.asarray(codes)).astype(np.float32)
+        mask = self._ref.select_tokens(scores, n_kv_heads=C16.shape[0], query_pos=query_pos, w=w, sinks=sinks, topk=topk)
+        out = self._ref.retrieval_attention(q_post, k_post, v, mask, scale=scale)
+        return (out, mask) if return_mask else out
+
+
+def _rows(cache, x):
+    """A protocol array as the wrapped A2ATSCache's (B, ...) mx array."""
+    import mlx.core as mx
+
+    return mx.array(x) if getattr(cache, "batched", False) else mx.array(x)[None]
+
+
+class _RowZeroSelectionCache(ReferenceCache):
+    """Batched decode selects every row's tokens with row 0's selection (each row attends its own keys)."""
+
+    def decode(self, q_post):
+        out, mask = super().decode(q_post)
+        if not getattr(self, "batched", False) or mask.shape[0] < 2:
+            return out, mask
+        mask = np.broadcast_to(mask[:1], mask.shape).copy()
+        k, v = self.keys_values()
+        out = _o.retrieval_attention(_np(q_post), _np(k), _np(v), mask, scale=self.config.get("scale"))
+        return out.astype(np.float32), mask
+
+
+class BatchRowsReadRowZero(Mutant):
+    expected_clause = "CACHE-BATCH"
+    coverage_item = "CACHE-BATCH"
+    bug = "batched decode: every row uses row 0's token selection"
+
+    def make_cache(self, config):
+        return _RowZeroSelectionCache(config)
+
+
+class _SameClassOnLoad:
+    """Mixin: load() returns the mutant's own cache class, so a loaded cache keeps the bug."""
+
+    def load(self, path):
+        return type(self)(self.config, super().load(path)._c)
+
+
+def _bf16_positions(p):
+    import mlx.core as mx
+
+    return np.array(mx.array(np.asarray(p, np.float32)).astype(mx.bfloat16).astype(mx.float32))
+
+
+class _LowPrecisionPositionsCache(_SameClassOnLoad, ReferenceCache):
+    """Codes from keys de-rotated at positions rounded through bfloat16 (exact only up to 256)."""
+
+    def append(self, keys_post, values):
+        t = keys_post.shape[-2]
+        pos = np.arange(self.offset, self.offset + t)
+        err = _bf16_positions(pos) - pos
+        if not np.any(err):
+            return super().append(keys_post, values)
+        prev = self.offset
+        # keys rotated by p - round(p): the cache's de-rotation at p then lands at round(p)
+        moved = _o.rope_invert(_np(keys_post), err, _np(self.config["inv_freqs"]), traditional=self.config["traditional"])
+        super().append(moved.astype(keys_post.dtype), values)
+        self._c.keys[..., prev:prev + t, :] = _rows(self, keys_post)   # the stored keys themselves are right
+
+
+class PositionsLowPrecision(Mutant):
+    expected_clause = "CACHE-FAR-CODES"
+    coverage_item = "positions"
+    bug = "token positions held in bfloat16 when keys are de-rotated for their codes (wrong past position 256)"
+
+    def make_cache(self, config):
+        return _LowPrecisionPositionsCache(config)
+
+
+class _HostPathHeadZeroCache(_SameClassOnLoad, ReferenceCache):
+    """On the host selection path only (>= HOST_SELECT_MIN candidates), every query head of a GQA group
+    ranks tokens with the group's first head's LUT row: the union degenerates to one head's top-k."""
+
+    def decode(self, q_post):
+        import mlx.core as mx
+        from a2ats_ref import fast_decode as fd
+
+        original = fd._select_host
+
+        def first_head_only(lut, codes, **kw):
+            return original(mx.broadcast_to(lut[:, :1, :], lut.shape), codes, **kw)
+
+        fd._select_host = first_head_only
+        try:
+            return super().decode(q_post)
+        finally:
+            fd._select_host = original
+
+
+class HostPathHeadZero(Mutant):
+    expected_clause = "CACHE-DECODE"
+    coverage_item = "host selection"
+    bug = "host selection path (>= 32,768 candidates) ranks every head of a GQA group by the first head's scores"
+
+    def make_cache(self, config):
+        return _HostPathHeadZeroCache(config)
+
+
+class _ChunkRerotatedCache(_SameClassOnLoad, ReferenceCache):
+    """A chunk written after the first stores its keys rotated again by the chunk's start offset (RoPE with
+    offset applied to keys that are already post-RoPE); codes are assigned before, so they stay right."""
+
+    def append(self, keys_post, values):
+        prev = self.offset
+        super().append(keys_post, values)
+        if prev:
+            t = keys_post.shape[-2]
+            again = _o.rope_apply(_np(keys_post), np.full(t, prev), _np(self.config["inv_freqs"]),
+                                  traditional=self.config["traditional"])
+            self._c.keys[..., prev:prev + t, :] = _rows(self, again.astype(keys_post.dtype))
+
+
+class ChunkRerotated(Mutant):
+    expected_clause = "CACHE-CHUNK"
+    coverage_item = "CACHE-CHUNK"
+    bug = "chunked prefill: keys of every chunk after the first stored re-rotated by the chunk's offset"
+
+    def make_cache(self, config):
+        return _ChunkRerotatedCache(config)
+
+
+#: name -> coverage mutant: each is missed by the suite of commit 1cf8c61 and killed on expected_clause
+COVERAGE_MUTANTS = {cls.__name__: cls for cls in (
+    Float16Lut, BatchRowsReadRowZero, PositionsLowPrecision, HostPathHeadZero, ChunkRerotated,
 )}

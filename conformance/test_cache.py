@@ -19,8 +19,8 @@ from a2ats_spec import oracle
 
 
 @st.composite
-def cache_setup(draw, *, max_T=24, topk=None, w=None, sinks=None, max_dim=16, Ks=(2, 8, 300), heads=None):
-    p = draw(hh.rope_params(max_dim=max_dim, scaled=False), label="rope")
+def cache_setup(draw, *, max_T=24, topk=None, w=None, sinks=None, max_dim=16, Ks=(2, 8, 300), heads=None, head_dim=None):
+    p = draw(hh.rope_params(max_dim=max_dim, head_dim=head_dim, scaled=False), label="rope")
     n_q, n_kv = draw(hh.gqa_heads(max_kv=2) if heads is None else heads, label="heads")
     K = draw(st.sampled_from(Ks), label="K")
     seed = draw(hh.seeds(), label="seed")
@@ -419,8 +419,8 @@ _HOST_CANDIDATES = 32_768
 
 @pytest.mark.clause("CACHE-DECODE", requires={"cache_ops": "decode"})
 @settings(max_examples=1)
-@given(setup=cache_setup(max_dim=4, Ks=(256, 1024), heads=st.sampled_from([(2, 1), (4, 2), (4, 1)]),
-                         topk=hh.topk_values(fractions=(0.01, 0.03), counts=(330, 1000))),
+@given(setup=cache_setup(head_dim=st.sampled_from([4, 8]), Ks=(1024, 256), heads=st.sampled_from([(4, 1), (2, 1), (4, 2)]),
+                         topk=hh.topk_values(fractions=(0.05, 0.1), counts=(2000, 4000))),
        extra=st.integers(0, 2000))
 def test_host_selection_path(ctx, setup, extra):
     """A decode over >= 32,768 candidates (tiny d, many codes, GQA groups of >= 2): large-T selection paths

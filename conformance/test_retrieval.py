@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from a2ats_conformance import hypothesis_helpers as hh
 from a2ats_conformance.decode_checks import check_decode
+from a2ats_conformance.tolerances import tie_margin
 from a2ats_spec import oracle
 
 
@@ -196,3 +197,56 @@ def test_decode_step_matches_oracle(ctx, data):
     ctx.note(**notes, w=inp["w"], sinks=inp["sinks"], b=inp["b"], topk=inp["topk"])
     out, mask = ctx.call("decode_step", **inp, return_mask=True)
     check_decode(ctx, out, mask, inp, "RET-DECODE")
+
+
+def near_tie_case(draw, *, dtype):
+    """A decode at realistic sizes (d 64 or 128, K >= 64, T in the hundreds) whose LUT scores sit on a ladder
+    of levels GAP_IN_MARGINS tie margins apart, for every query head at once: each codeword is moved within
+    the span of its group's rotated queries q_b until scale · q_b · c hits its level exactly (float64).
+
+    A gap of a few margins is invisible to a port whose score error is within the tolerance table's RET-LUT
+    entry, and a flipped pair of levels at the top-k boundary for one whose error is several times larger
+    (a float16 LUT: ~2^-11 of |q_b||c|, while the levels span only a few hundredths)."""
+    d = draw(st.sampled_from([64, 128]), label="head_dim")
+    K = draw(st.sampled_from([64, 128, 256]), label="K")
+    T = draw(st.integers(200, 600), label="T")
+    n_q, n_kv = draw(hh.gqa_heads(max_kv=2, max_group=2), label="heads")
+    G = n_q // n_kv
+    t = draw(hh.layouts(), label="traditional")
+    b = draw(st.sampled_from([64, 2048]), label="b")
+    w = draw(st.integers(1, 16), label="w")
+    sinks = draw(st.integers(0, 8), label="sinks")
+    topk = draw(hh.topk_values(fractions=(0.03, 0.1, 0.25), counts=(8, 32)), label="topk")
+    seed = draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    inv = oracle.rope_inv_freqs(d, 10000.0)
+    scale = 1.0 / np.sqrt(d)
+    gap = GAP_IN_MARGINS * tie_margin(dtype, "RET-LUT")
+    q_post = oracle.rope_apply(hh.normal(rng, (n_q, d)), T - 1, inv, traditional=t)
+    qb = oracle.far_query(q_post, b=b, inv_freqs=inv, traditional=t, positions=T - 1)
+    C = hh.normal(rng, (n_kv, K, d), 2.0)   # |c| well above the scores: rounding of q_b or c shows in them
+    for g in range(n_kv):
+        Q = qb[g * G:(g + 1) * G]                                            # (G, d) the group's rotated queries
+        levels = np.stack([rng.permutation(K) for _ in range(G)]) - K / 2   # (G, K) a ladder per head
+        want = gap * levels / scale                                          # target q_b · c
+        C[g] += np.linalg.solve(Q @ Q.T, want - Q @ C[g].T).T @ Q          # move c within span(Q) onto its level
+    k_pre, v = hh.normal(rng, (n_kv, T, d)), hh.normal(rng, (n_kv, T, d))
+    k_post = oracle.rope_apply(k_pre, np.arange(T), inv, traditional=t)
+    codes = rng.integers(0, K, size=(n_kv, T)).astype(oracle.code_dtype(K))
+    return dict(q_post=q_post, k_post=k_post, v=v, codes=codes, C=C, query_pos=T - 1, b=b, w=w, sinks=sinks,
+                topk=topk, inv_freqs=inv, traditional=t), dict(seed=seed, n_q=n_q, n_kv=n_kv, T=T, K=K, head_dim=d)
+
+
+#: Distance between adjacent LUT levels of near_tie_case, in RET-LUT tie margins.
+GAP_IN_MARGINS = 3.0
+
+
+@pytest.mark.clause("RET-DECODE")
+@given(data=st.data())
+def test_decode_step_near_ties(ctx, data):
+    """RET-DECODE on near_tie_case: the selection is judged with RET-LUT's margin (the selection ranks LUT
+    scores, so ties are what RET-LUT's accuracy cannot order), the output with RET-DECODE's tolerance."""
+    inp, notes = near_tie_case(data.draw, dtype=ctx.dtype)
+    ctx.note(**notes, w=inp["w"], sinks=inp["sinks"], b=inp["b"], topk=inp["topk"], gap_in_margins=GAP_IN_MARGINS)
+    out, mask = ctx.call("decode_step", **inp, return_mask=True)
+    check_decode(ctx, out, mask, inp, "RET-DECODE", margin_clause="RET-LUT")

@@ -1,0 +1,32 @@
+"""Issue 9, item 7: each coverage property kills the mutant it was written for, on its clause.
+
+The mutants (a2ats_conformance.mutants.COVERAGE_MUTANTS) are bugs the suite of commit 1cf8c61 never reached;
+notes/9-coverage.md records that suite passing them. Here the current suite must reject each one.
+"""
+
+import json
+
+import pytest
+
+from a2ats_conformance.cli import main
+from a2ats_conformance.mutants import COVERAGE_MUTANTS, MUTANTS
+
+
+@pytest.mark.parametrize("name", sorted(COVERAGE_MUTANTS))
+def test_coverage_mutant_is_rejected_on_its_clause(tmp_path, name):
+    cls = COVERAGE_MUTANTS[name]
+    out = tmp_path / "r.json"
+    code = main(["--iut", f"a2ats_conformance.mutants:{name}", "--profile", "selftest", "--seed", "0", "-q",
+                 "--clauses", cls.expected_clause, "--report-json", str(out),
+                 "--counterexample-dir", str(tmp_path / "cex")])
+    verdict = json.loads(out.read_text())["clauses"][cls.expected_clause]
+    assert code == 1, f"{name} ({cls.coverage_item}: {cls.bug}) was not rejected: {verdict}"
+    assert verdict["status"] == "fail"
+    assert verdict["counterexample"].get("clause") == cls.expected_clause, verdict["counterexample"]
+
+
+def test_coverage_mutants_are_their_own_set():
+    """A separate dict: tests/test_mutants.py keeps its own list; every coverage mutant names its item."""
+    assert not set(COVERAGE_MUTANTS) & set(MUTANTS)
+    items = {cls.coverage_item for cls in COVERAGE_MUTANTS.values()}
+    assert items == {"near ties", "CACHE-BATCH", "positions", "host selection", "CACHE-CHUNK"}
