@@ -330,7 +330,10 @@ def _check_cache_decode(ctx, c, orc, q, clause, what=""):
                               what=f"{what}codes of KV head {g} at positions {idx[0]}..{idx[-1]}", values=dist[..., g, :, :])
     out, mask = c.decode(q)
     must, may = orc.decode_allowed(q, codes, lambda s: ctx.margin(clause, s))
-    ctx.assert_mask_allowed(np.asarray(mask), must, may, clause=clause, what=f"{what}selected set (oracle cache, port's codes)")
+    cfg = orc.config
+    ctx.assert_mask_allowed(np.asarray(mask), must, may, clause=clause, what=f"{what}selected set (oracle cache, port's codes)",
+                            selection=dict(scores=orc.decode_scores(q, codes), query_pos=orc.offset - 1, w=cfg["w"],
+                                           sinks=cfg["sinks"], topk=cfg["topk"]))
     r, a = tolerance(ctx.dtype, clause)
     ctx.assert_close(out, orc.attention(q, np.asarray(mask)), clause=clause, rtol=r, atol=a,
                      what=f"{what}output vs exact attention over the selected post-RoPE keys")
