@@ -379,7 +379,7 @@ def test_batched_decode_rows(ctx, setup, B, T, split):
 #: 131,072-token append costs seconds); the host selection test covers 32,768+ candidates.
 _LONG_STARTS = (300, 2100, 5000, 9000)
 @pytest.mark.clause("CACHE-DECODE", "CACHE-FAR-CODES", requires={"cache_ops": "decode"})
-@settings(max_examples=max(3, settings.default.max_examples // 5))   # each new buffer length compiles a decode
+@settings(max_examples=max(3, settings.default.max_examples // 10))   # each new buffer length compiles a decode
 @given(setup=cache_setup(max_dim=8, Ks=(8, 64)), start=st.sampled_from(_LONG_STARTS), T=st.integers(1, 16),
        cut=st.floats(0.0, 1.0))
 @example(setup=None, start=hh.LONG_POSITION - 16, T=16, cut=0.5)   # reach position 131,071 in every run
