@@ -167,10 +167,10 @@ def speed_markdown(res: dict) -> str:
 # --------------------------------------------------------------------------- fidelity
 
 
-def run_fidelity(profile: str) -> dict:
+def run_fidelity(profile: str, partial=None) -> dict:
     from . import bench_fidelity as bf
 
-    return bf.run(profile)
+    return bf.run(profile, partial=partial)
 
 
 def fidelity_markdown(res: dict) -> str:
@@ -210,9 +210,9 @@ def main(argv=None) -> int:
             ap.error(f"--T: every context length must be a positive multiple of 256, got {args.T!r}")
     profile = "tiny" if args.tiny else "quick" if args.quick else "full"
     if args.profile == "authors":
-        if args.what != "fidelity" or args.quick:
-            ap.error("--profile authors: only for fidelity, full size or --tiny")
-        profile = "authors-tiny" if args.tiny else "authors"
+        if args.what != "fidelity":
+            ap.error("--profile authors: only for fidelity")
+        profile = {"tiny": "authors-tiny", "quick": "authors-quick"}.get(profile, "authors")
     try:
         return _run(args, profile)
     except KeyboardInterrupt:
@@ -244,7 +244,7 @@ def _run(args, profile: str) -> int:
     if args.what == "speed":
         res.update(run_speed(profile, e2e=not args.no_e2e, conformance=not args.no_conformance, Ts=Ts))
     else:
-        res.update(run_fidelity(profile))
+        res.update(run_fidelity(profile, partial=str(args.json) + ".partial"))
     res["wall_s"] = round(time.perf_counter() - t0, 2)
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1)

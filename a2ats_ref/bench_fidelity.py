@@ -380,10 +380,10 @@ def passkey(model, meta, prof, books_full, cfg):
 _TOK = None
 
 
-def run(profile: str) -> dict:
+def run(profile: str, partial=None) -> dict:
     global _TOK
     if profile in AUTHORS_PROFILES:
-        return run_authors(profile)
+        return run_authors(profile, partial=partial)
     from .cache import A2ATSConfig
 
     prof = dict(PROFILES[profile])
@@ -462,6 +462,12 @@ AUTHORS_PROFILES = {
                     b_sweep=(0, 64, 256, 512, 1024, 2048, 4096, 8192), rc_ctx=(2048, 8192), ctxs=(2048, 4096, 8192),
                     ppl_tokens=32, answer_tokens=8, depths=(0.1, 0.3, 0.5, 0.7, 0.9), pack_compare=dict(text_tokens=16384, uuid_tokens=4096,
                                                                                         K=512, steps=3, ctx=2048)),
+    # A reduced size for a machine that cannot give the authors' size an hour (stated in its output).
+    "authors-quick": dict(text_tokens=16384, uuid_tokens=4096, max_len=4096, K=1024, steps=3, packing="documents",
+                          plain_layers=(0, 10, 20, 29), recall_ctx=4096, probes=8, budgets=(0.01, 0.02, 0.03, 0.05, 0.1),
+                          b_sweep=(0, 64, 256, 512, 1024, 2048, 4096, 8192), rc_ctx=(2048, 4096), ctxs=(2048, 4096),
+                          ppl_tokens=16, answer_tokens=6, depths=(0.1, 0.3, 0.5, 0.7, 0.9),
+                          pack_compare=dict(text_tokens=8192, uuid_tokens=2048, K=256, steps=3, ctx=2048)),
     "authors-tiny": dict(text_tokens=384, uuid_tokens=96, max_len=256, K=16, steps=1, packing="documents",
                          plain_layers=(0, 29), recall_ctx=192, probes=2, budgets=(0.01, 0.02, 0.03, 0.05, 0.1),
                          b_sweep=(0, 64, 2048), rc_ctx=(160, 192), ctxs=(160,), ppl_tokens=2, answer_tokens=2, depths=(0.5,),
@@ -487,7 +493,8 @@ def fit_model_books(model, tok, *, text_tokens, uuid_tokens, max_len, K, steps, 
     seqs, n_text, n_uuid = calibration_sequences(tok, text_tokens=text_tokens, uuid_tokens=uuid_tokens,
                                                  max_len=max_len, packing=packing, seed=seed)
     t0 = time.perf_counter()
-    col = _c.collect(model, seqs, b=b, chunk=1024)
+    col = _c.collect(model, seqs, b=b, chunk=1024, progress=_c.text_progress("  collect (tokens)", every=30.0),
+                     total_tokens=n_text + n_uuid)
     _log(f"  collected {col.n_tokens} tokens in {len(seqs)} sequences ({time.perf_counter() - t0:.0f} s)")
     books = {}
     for li in range(len(col.keys)):
@@ -873,7 +880,16 @@ def packing_compare(model, meta, prof, b, w, sinks):
     return out
 
 
-def run_authors(profile: str) -> dict:
+def _save_partial(path, res, timings):
+    if path:
+        import json
+        with open(path, "w") as f:
+            json.dump(res | {"timings": timings, "partial": True}, f, indent=1)
+
+
+def run_authors(profile: str, partial=None) -> dict:
+    """The authors-profile run. ``partial``: a path rewritten (JSON) after every section, so a run cut short
+    keeps what it measured."""
     global _TOK
     from .cache import A2ATSConfig
 
@@ -897,6 +913,7 @@ def run_authors(profile: str) -> dict:
         t = time.perf_counter()
         res[name] = fn()
         timings[f"{name}_s"] = round(time.perf_counter() - t, 1)
+        _save_partial(partial, res, timings)
     qa = {i: books[i]["query_aware"] for i in books}
     cfg = A2ATSConfig(w=w, b=b, sinks=sinks, topk=0.03)
     for name, fn in (("ppl", lambda: authors_ppl(model, meta, prof, qa, cfg)),
@@ -906,6 +923,7 @@ def run_authors(profile: str) -> dict:
         t = time.perf_counter()
         res[name] = fn()
         timings[f"{name}_s"] = round(time.perf_counter() - t, 1)
+        _save_partial(partial, res, timings)
     res["timings"] = timings
     return res
 
