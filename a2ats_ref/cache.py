@@ -4,8 +4,13 @@ The cache holds the post-RoPE keys and values exactly as mlx-lm hands them (same
 256-token preallocation and slice assignment as mlx-lm's KVCache) plus, per token
 and KV head, the index of the nearest z-space codeword of the token's
 position-free key (EQ-12 de-rotation at the token's own position, then EQ-16
-assignment z = k L -> nearest row of Cz). Codes are computed once, on append, for
-the new tokens only; nothing already cached is ever re-rotated.
+assignment z = k L -> nearest row of Cz). Codes are computed once per token and
+nothing already cached is ever re-rotated, but not on append: a token's code is
+first read when it leaves the recent window (window tokens are always attended),
+so decode assigns every pending token in one batch when the oldest of them is
+about to leave it (one codebook read per ~w tokens instead of one per token), and
+codes_view()/state assign whatever is pending on demand. A code does not depend on
+when it is computed, so every clause sees the same codes as with eager assignment.
 
 Attention itself is chosen by the hook (a2ats_ref.hook.enable_a2ats):
 query length 1 -> `A2ATSCache.decode` (RET-DECODE: LUT scores from the codes,
@@ -286,7 +291,11 @@ class A2ATSCache(_BaseCache):
         self.values = None
         self.codes = None
         self.offset = 0
+        self._coded = 0   # tokens [0, _coded) have their code in self.codes; the rest are pending
         self._last_selection = None
+
+    #: most tokens coded in one batch (bounds the (n_kv, batch, K) distance block of a long prefill)
+    CODE_BATCH_MAX = 2048
 
     # ---- mlx-lm protocol
     def update_and_fetch(self, keys, values):
@@ -296,18 +305,28 @@ class A2ATSCache(_BaseCache):
             # Empty (e.g. trimmed to 0) with another batch size: start fresh buffers rather than let
             # the old ones broadcast the new batch into the wrong shape. Nothing cached is lost.
             self.keys = self.values = self.codes = None
+            self._coded = 0
         if self.keys is None or prev + t > self.keys.shape[2]:
             self._grow(keys, values, prev, t)
         if t == 0:  # mlx-lm's KVCache accepts an empty append; so do we (nothing to assign)
             return self.keys_and_values()
-        new_codes = assign_codes(
-            keys, mx.arange(prev, prev + t), self.codebook, self.inv_freqs, traditional=self.traditional
-        )
         self.offset += t
         self.keys[..., prev : self.offset, :] = keys
         self.values[..., prev : self.offset, :] = values
-        self.codes[..., prev : self.offset] = new_codes
-        return self.keys_and_values()
+        return self.keys_and_values()   # codes: assigned later, in a batch (_assign_pending)
+
+    def _assign_pending(self, upto: int) -> None:
+        """Make sure tokens [0, upto) have codes: if any is pending, code every pending token (one batch).
+
+        Codes read the cached post-RoPE keys at their own positions (EQ-12, EQ-16), exactly as on append.
+        """
+        if self._coded >= min(upto, self.offset):
+            return
+        for s in range(self._coded, self.offset, self.CODE_BATCH_MAX):
+            e = min(s + self.CODE_BATCH_MAX, self.offset)
+            self.codes[..., s:e] = assign_codes(self.keys[..., s:e, :], mx.arange(s, e), self.codebook,
+                                                self.inv_freqs, traditional=self.traditional)
+        self._coded = self.offset
 
     def _grow(self, keys, values, prev, t):
         B, n_kv, _, dk = keys.shape
@@ -349,9 +368,10 @@ class A2ATSCache(_BaseCache):
         return self.keys, self.values
 
     def codes_view(self) -> mx.array:
-        """Codes of the cached tokens, (B, n_kv, T)."""
+        """Codes of the cached tokens, (B, n_kv, T) (pending ones are assigned now)."""
         if self.codes is None:
             return mx.zeros((0, self.codebook.n_kv_heads, 0), mx_code_dtype(self.codebook.K))
+        self._assign_pending(self.offset)
         return self.codes[..., : self.offset]
 
     @property
@@ -374,6 +394,7 @@ class A2ATSCache(_BaseCache):
             raise ValueError(f"trim: n must be a non-negative int (tokens to drop from the end), got {n!r}")
         n = min(self.offset, int(n))
         self.offset -= n
+        self._coded = min(self._coded, self.offset)
         self._last_selection = None
         return n
 
@@ -401,7 +422,7 @@ class A2ATSCache(_BaseCache):
     def state(self, v):
         if v is None or len(v) == 0:
             self.keys = self.values = self.codes = None
-            self.offset = 0
+            self.offset = self._coded = 0
             return
         keys, values, codes = v
         if codes.shape != keys.shape[:3] or values.shape[:3] != keys.shape[:3]:
@@ -410,7 +431,7 @@ class A2ATSCache(_BaseCache):
                 f"{tuple(keys.shape)}, {tuple(values.shape)}, {tuple(codes.shape)}"
             )
         self.keys, self.values, self.codes = keys, values, codes
-        self.offset = keys.shape[2]
+        self.offset = self._coded = keys.shape[2]
         self._last_selection = None
 
     @property
@@ -468,6 +489,9 @@ class A2ATSCache(_BaseCache):
         # Everything else was validated when the cache was built or appended to, so no clause-level checks
         # (and their host syncs) here. The kernel reads the preallocated buffers directly: n_tokens marks
         # the valid prefix, so no sliced copy of keys/values/codes is made per step.
+        # Scores read the codes of tokens j < offset - w only (the window is always attended): pending tokens
+        # are coded together once the oldest of them reaches that range, i.e. about once every w + 1 tokens.
+        self._assign_pending(self.offset - cfg.w)
         out, self._last_selection = decode_step_fast(
             queries, self.keys, self.values, self.codes, cb.CT, query_pos=self.offset - 1, b=cfg.b, w=cfg.w,
             sinks=cfg.sinks, topk=cfg.topk, inv_freqs=self.inv_freqs, traditional=self.traditional,

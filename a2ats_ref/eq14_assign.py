@@ -7,6 +7,8 @@ compared. Ties go to the lowest index.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 
@@ -34,21 +36,31 @@ def check_codebook_args(k, C, M, k_name: str, C_name: str, M_name: str):
     return k, C, M, d
 
 
+#: bytes of one block of the (..., rows, K) distance matrix: evaluated, reduced, then dropped
+BLOCK_BYTES = 1 << 23
+
+
 def nearest_rows(x: mx.array, Y: mx.array, bias: mx.array, *, Yt: mx.array | None = None) -> mx.array:
-    """argmin_j (-2 x . Y_j + bias_j) over row chunks; x (..., N, d), Y (..., K, d), bias (..., 1, K).
+    """argmin_j (-2 x . Y_j + bias_j) over row blocks; x (..., N, d), Y (..., K, d), bias (..., 1, K) -> uint32.
 
     Yt, a contiguous (..., d, K) copy of Y, may be passed in: a transposed view is copied on every
-    call, which dominates the one-token case the cache runs per appended token.
+    call, which dominates the one-token case. Each block of distances is one batched GEMM in MLX and
+    is reduced by NumPy's argmin (same rule: first minimum; MLX's CPU argmin costs several times the
+    GEMM): a batch of tokens then costs about one read of the codebook plus its FLOPs.
     """
     if Yt is None:
         Yt = mx.swapaxes(Y, -1, -2)
-    if x.shape[-2] == 0:  # no keys: empty codes of the broadcast shape (argmin refuses empty arrays)
-        lead = tuple(np.broadcast_shapes(x.shape[:-2], Y.shape[:-2]))
+    lead = tuple(np.broadcast_shapes(x.shape[:-2], Y.shape[:-2]))
+    N, K = x.shape[-2], Y.shape[-2]
+    if N == 0:  # no keys: empty codes of the broadcast shape (argmin refuses empty arrays)
         return mx.zeros(lead + (0,), dtype=mx.uint32)
+    rows = max(1, min(ROW_CHUNK, BLOCK_BYTES // (4 * K * max(1, math.prod(lead)))))
     out = []
-    for s in range(0, x.shape[-2], ROW_CHUNK):
-        out.append(mx.argmin(bias - 2.0 * (x[..., s : s + ROW_CHUNK, :] @ Yt), axis=-1))
-    return mx.concatenate(out, axis=-1) if len(out) > 1 else out[0]
+    for s in range(0, N, rows):
+        dist = bias - 2.0 * (x[..., s : s + rows, :] @ Yt)
+        mx.eval(dist)
+        out.append(np.asarray(dist).argmin(axis=-1).astype(np.uint32))
+    return mx.array(np.concatenate(out, axis=-1) if len(out) > 1 else out[0])
 
 
 def assign(k, C, H) -> mx.array:

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from a2ats_ref import bench
 
 
@@ -28,12 +30,21 @@ def test_speed_quick_json_schema(tmp_path):
     assert [r["allocator_tuned"] for r in lib] == [True, True, False]
     assert "library default" in md.read_text()
     for r in res["cache_update"]["rows"]:
-        assert r["kvcache_ms"] > 0 and r["a2ats_ms"] > 0
+        assert r["kvcache_ms"] > 0 and r["a2ats_ms"] > 0 and r["a2ats_eager_ms"] > 0
     for r in res["memory"]["rows"]:
         assert r["a2ats_bytes"] > r["kvcache_bytes"]
     assert "| T | dtype | dense ms |" in md.read_text()
     e2e = res["e2e_smollm2"]
     assert e2e["dense"]["tokens_per_s"] > 0 and e2e["a2ats_cache_decode"]["tokens_per_s"] > 0
+
+
+def test_speed_T_chooses_the_context_lengths(tmp_path):
+    out = tmp_path / "speed.json"
+    assert bench.main(["speed", "--tiny", "--T", "768", "--json", str(out)]) == 0
+    assert [r["T"] for r in json.loads(out.read_text())["decode_step"]] == [768]
+    with pytest.raises(SystemExit) as e:
+        bench.main(["speed", "--tiny", "--T", "1000", "--json", str(out)])
+    assert e.value.code == 2
 
 
 def test_fidelity_tiny_json_schema(tmp_path):

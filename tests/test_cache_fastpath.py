@@ -107,3 +107,37 @@ def test_decode_reads_only_the_valid_prefix_of_the_buffer(traditional):
     assert cache.last_selection.shape == (2, NKV, 120)
     cache.trim(1)
     assert cache.last_selection is None
+
+
+def test_codes_are_assigned_in_batches_when_tokens_leave_the_window(monkeypatch):
+    """Deferred code assignment: token-by-token generation assigns codes once per ~w tokens (one batch),
+    every decode still scores far tokens with their true codes (the oracle's allowed sets, from codes
+    computed independently with assign_z), and codes_view() gives every token's code on demand."""
+    rng = np.random.default_rng(4)
+    inv = rope_inv_freqs(D, 10000.0)
+    lc = quiet_codebook(1, NKV, D, K=K).layers[0]
+    cfg = C.A2ATSConfig(w=8, b=300, sinks=2, topk=0.2)
+    cache = C.A2ATSCache(lc, inv, False, cfg)
+    calls = []
+    real = C.assign_codes
+    monkeypatch.setattr(C, "assign_codes", lambda k, *a, **kw: calls.append(k.shape[2]) or real(k, *a, **kw))
+    ks = rng.standard_normal((1, NKV, 60, D)).astype(np.float32)
+    cache.update_and_fetch(mx.array(ks[:, :, :20]), mx.array(ks[:, :, :20]))   # a prefill: nothing coded yet
+    assert calls == []
+    for t in range(20, 60):
+        cache.update_and_fetch(mx.array(ks[:, :, t : t + 1]), mx.array(ks[:, :, t : t + 1]))
+        q = mx.array(rng.standard_normal((1, NQ, 1, D)).astype(np.float32))
+        cache.decode(q, scale=0.3)
+    # first decode (21 cached): the prefill and the new token in one batch; then one batch per w + 1 tokens
+    assert calls == [21, 9, 9, 9, 9], f"expected batches [21, 9, 9, 9, 9], got {calls}"
+    sel = np.array(cache.last_selection)
+    want = np.array(assign_z(far_keys(mx.array(ks), mx.arange(60), inv, traditional=False), lc.Cz, lc.L))
+    T = 60
+    qb = O.far_query(np.array(q[:, :, 0, :], np.float64), b=cfg.b, inv_freqs=np.array(inv, np.float64),
+                     traditional=False, positions=T - 1)
+    scores = O.token_scores(O.lut_scores(qb, np.array(lc.C, np.float64), scale=0.3), want)
+    must, may = O.select_tokens_allowed(scores, n_kv_heads=NKV, query_pos=T - 1, w=cfg.w, sinks=cfg.sinks,
+                                        topk=cfg.topk, margin=tie_margin("float32", "RET-SELECT"))
+    assert not (must & ~sel).any() and not (sel & ~may).any(), "decode scored far tokens with stale codes"
+    np.testing.assert_array_equal(np.array(cache.codes_view()), want)   # the window's pending codes too
+    assert sum(calls) == 60, calls                                     # every token coded exactly once
