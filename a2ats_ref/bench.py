@@ -36,6 +36,18 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _gpu(mx) -> dict | None:
+    """The GPU MLX runs on (name, memory, backend, whether float32 matmuls are TF32), None on a CPU device."""
+    if mx.default_device().type != mx.gpu:
+        return None
+    from .precision import tf32_active
+
+    info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+    backend = "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "metal"
+    return {"name": info.get("device_name"), "memory_bytes": info.get("memory_size"), "mlx_backend": backend,
+            "float32_matmul_tf32": tf32_active()}
+
+
 def machine(allocator_tuned: bool) -> dict:
     """Machine description attached to every result."""
     import mlx.core as mx
@@ -61,6 +73,7 @@ def machine(allocator_tuned: bool) -> dict:
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm_version,
         "device": str(mx.default_device()),
+        "gpu": _gpu(mx),
         "blas": blas,
         "allocator_tuned": allocator_tuned,
         "loadavg_at_start": load,
@@ -116,7 +129,9 @@ def speed_markdown(res: dict) -> str:
     lines = [f"# a2ats-bench speed ({res['profile']})", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, MLX {m['mlx']}, BLAS "
              f"{(m['blas'] or {}).get('config') or (m['blas'] or {}).get('loaded') or 'reference'}, "
-             f"allocator tuned: {m['allocator_tuned']}, load average at start {m['loadavg_at_start']}", "",
+             f"allocator tuned: {m['allocator_tuned']}, load average at start {m['loadavg_at_start']}"
+             + (f"; GPU: {m['gpu']['name']}, {m['gpu']['memory_bytes']} bytes, MLX {m['gpu']['mlx_backend']}, "
+                f"float32 matmuls TF32: {m['gpu']['float32_matmul_tf32']}" if m.get("gpu") else ""), "",
              "## One decode attention step (one layer, batch 1)", "",
              "| T | dtype | dense ms | A2ATS ms | speedup (median of ratios) | bytes read dense | bytes read A2ATS |",
              "|---:|---|---:|---:|---:|---:|---:|"]

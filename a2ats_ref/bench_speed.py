@@ -84,7 +84,7 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
     def a2ats(method):
         return lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method=method, **kw)
 
-    auto = "host" if T - w - sinks >= fast_decode.HOST_SELECT_MIN else "mlx"
+    auto = fast_decode.auto_method(T - w - sinks)
     fns = {"dense": dense, "a2ats": a2ats(auto)}
     if both_methods:
         fns["a2ats_" + ("mlx" if auto == "host" else "host")] = a2ats("mlx" if auto == "host" else "host")

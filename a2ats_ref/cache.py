@@ -47,7 +47,8 @@ from .eq16_z_transform import assign_z_unchecked, z_space_operands
 from .eq18_back_transform import back_transform
 from .fast_decode import decode_step_fast, prepare_codebook
 from .retrieval import attention_scale, gqa_group
-from .rope import rope_params_from_module
+from .rope import (applied_cos_sin, fast_rope_args, fast_rope_from_json, fast_rope_to_json, rope_params_from_module,
+                   rotate_by_tables)
 
 __all__ = [
     "A2ATSConfig",
@@ -249,16 +250,23 @@ def random_codebook(n_layers: int, n_kv_heads: int, head_dim: int, K: int = 256,
 # --------------------------------------------------------------------------- code assignment
 
 
-def assign_codes(k_post: mx.array, positions: mx.array, codebook: LayerCodebook, inv_freqs, *, traditional: bool):
+def assign_codes(k_post: mx.array, positions: mx.array, codebook: LayerCodebook, inv_freqs, *, traditional: bool,
+                 fast_rope: Optional[dict] = None):
     """CACHE codes: EQ-12 de-rotation of post-RoPE keys at their own positions, then EQ-16 assignment.
 
     k_post (B, n_kv, t, d) post-RoPE keys, positions (t,) -> codes (B, n_kv, t) in the CODES-DTYPE dtype.
     Work is O(t): only the given tokens are touched. Same result as
     assign_z(far_keys(k_post, positions, ...), Cz, L); it calls their unchecked kernels because the
     checks cost host syncs on every token and the cache has validated its inputs already.
+    fast_rope (rope.fast_rope_args of the model's rope module): undo the angles mx.fast.rope applied on this
+    device (rope.applied_cos_sin) instead of m * inv_freqs; they differ on MLX CUDA at long positions.
     """
     f32 = mx.float32
-    k_pre = far_keys_unchecked(k_post.astype(f32), positions.astype(f32), inv_freqs, traditional=traditional)
+    if fast_rope is not None:
+        c, s = applied_cos_sin(positions, k_post.shape[-1], traditional, fast_rope)
+        k_pre = rotate_by_tables(k_post.astype(f32), c, s, traditional, -1.0)
+    else:
+        k_pre = far_keys_unchecked(k_post.astype(f32), positions.astype(f32), inv_freqs, traditional=traditional)
     return assign_z_unchecked(k_pre, codebook.Cz, codebook.L, codebook.z_operands)  # per-head (n_kv, K, d)
 
 
@@ -274,7 +282,8 @@ class A2ATSCache(_BaseCache):
 
     step = 256
 
-    def __init__(self, codebook: LayerCodebook, inv_freqs, traditional: bool, config: Optional[A2ATSConfig] = None):
+    def __init__(self, codebook: LayerCodebook, inv_freqs, traditional: bool, config: Optional[A2ATSConfig] = None,
+                 *, fast_rope: Optional[dict] = None):
         if not isinstance(codebook, LayerCodebook):
             raise ValueError(
                 f"codebook: expected a LayerCodebook (one layer of an A2ATSCodebook), got {type(codebook).__name__}; "
@@ -286,6 +295,8 @@ class A2ATSCache(_BaseCache):
         self.codebook = codebook
         self.inv_freqs = checks.check_inv_freqs(inv_freqs, codebook.head_dim)
         self.traditional = bool(traditional)
+        # EQ-12 on the device: the mx.fast.rope arguments the model used (None: keys were rotated by m * inv_freqs)
+        self.fast_rope = fast_rope
         self.config = config
         self.keys = None
         self.values = None
@@ -325,7 +336,8 @@ class A2ATSCache(_BaseCache):
         for s in range(self._coded, self.offset, self.CODE_BATCH_MAX):
             e = min(s + self.CODE_BATCH_MAX, self.offset)
             self.codes[..., s:e] = assign_codes(self.keys[..., s:e, :], mx.arange(s, e), self.codebook,
-                                                self.inv_freqs, traditional=self.traditional)
+                                                self.inv_freqs, traditional=self.traditional,
+                                                fast_rope=self.fast_rope)
         self._coded = self.offset
 
     def _grow(self, keys, values, prev, t):
@@ -377,6 +389,8 @@ class A2ATSCache(_BaseCache):
     @property
     def positions(self) -> mx.array:
         """RoPE position of every cached token (its index: no left padding)."""
+        if self.offset == 0:
+            return mx.zeros((0,), mx.int32)  # np.array(mx.arange(0)) segfaults on MLX CUDA 0.32; empty zeros do not
         return mx.arange(self.offset)
 
     def size(self):
@@ -437,7 +451,8 @@ class A2ATSCache(_BaseCache):
     @property
     def meta_state(self):
         inv = [float(x).hex() for x in self.inv_freqs.tolist()]
-        return (self.config.to_json(), json.dumps({"traditional": self.traditional, "inv_freqs": inv}))
+        return (self.config.to_json(), json.dumps({"traditional": self.traditional, "inv_freqs": inv,
+                                                   "fast_rope": fast_rope_to_json(self.fast_rope)}))
 
     @meta_state.setter
     def meta_state(self, v):
@@ -446,6 +461,7 @@ class A2ATSCache(_BaseCache):
         r = json.loads(rope)
         self.traditional = bool(r["traditional"])
         self.inv_freqs = mx.array([float.fromhex(x) for x in r["inv_freqs"]], dtype=mx.float32)
+        self.fast_rope = fast_rope_from_json(r.get("fast_rope"))
 
     @classmethod
     def from_state(cls, state, meta_state=None, *, codebook: Optional[LayerCodebook] = None):
@@ -462,7 +478,8 @@ class A2ATSCache(_BaseCache):
         cfg_json, rope_json = meta_state
         r = json.loads(rope_json)
         obj = cls(codebook, mx.array([float.fromhex(x) for x in r["inv_freqs"]], dtype=mx.float32),
-                  bool(r["traditional"]), A2ATSConfig.from_json(cfg_json))
+                  bool(r["traditional"]), A2ATSConfig.from_json(cfg_json),
+                  fast_rope=fast_rope_from_json(r.get("fast_rope")))
         obj.state = state
         return obj
 
@@ -496,8 +513,16 @@ class A2ATSCache(_BaseCache):
             queries, self.keys, self.values, self.codes, cb.CT, query_pos=self.offset - 1, b=cfg.b, w=cfg.w,
             sinks=cfg.sinks, topk=cfg.topk, inv_freqs=self.inv_freqs, traditional=self.traditional,
             scale=attention_scale(scale, cb.head_dim), n_tokens=self.offset, return_selection=True,
+            applied_angle=self._query_angle(),
         )
         return out
+
+    def _query_angle(self):
+        """(cos, sin) (d/2,) of the angle mx.fast.rope gave the newest query, when the model's rope is known."""
+        if self.fast_rope is None:
+            return None
+        c, s = applied_cos_sin(mx.array([self.offset - 1]), self.codebook.head_dim, self.traditional, self.fast_rope)
+        return c[0], s[0]
 
     @property
     def last_selection(self) -> Optional[mx.array]:
@@ -624,6 +649,6 @@ def make_a2ats_cache(
                 f"n_kv_heads={n_kv_i}, head_dim={d_i}; use this model's codebook"
             )
         inv, trad = rope_params_from_module(attn.rope, head_dim=d_i)
-        caches.append(A2ATSCache(lc, inv, trad, config))
+        caches.append(A2ATSCache(lc, inv, trad, config, fast_rope=fast_rope_args(attn.rope)))
     return caches
 

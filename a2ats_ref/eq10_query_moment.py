@@ -13,6 +13,7 @@ import numbers
 import mlx.core as mx
 
 from . import checks
+from .precision import mm
 from .rope import rope_apply
 
 
@@ -33,7 +34,7 @@ def query_moment(queries, *, n_kv_heads: int, b: int, inv_freqs, traditional: bo
     G = n_q // n_kv
     qt = rope_apply(q, b, inv_freqs, traditional=traditional)
     qt = qt.reshape(q.shape[:-3] + (n_kv, G * N, d))
-    H = (mx.swapaxes(qt, -1, -2) @ qt) / (G * N)
+    H = mm(mx.swapaxes(qt, -1, -2), qt) / (G * N)
     rms = mx.sqrt(mx.mean(H * H, axis=(-2, -1), keepdims=True))
     if not mx.all(rms > 0).item():
         raise ValueError("queries: a KV head's queries are all zero, so H cannot be RMS-normalised")

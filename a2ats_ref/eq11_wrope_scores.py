@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import checks
+from .precision import mm
 from .rope import rope_apply
 
 
@@ -40,6 +41,6 @@ def wrope_scores(q, k, *, w: int, b: int, inv_freqs, traditional: bool, q_positi
     origin = mx.minimum(mx.min(pq), mx.min(pk))
     qn = rope_apply(q, (pq - origin).astype(mx.int32), inv_freqs, traditional=traditional)
     kn = rope_apply(k, (pk - origin).astype(mx.int32), inv_freqs, traditional=traditional)
-    near = qn @ mx.swapaxes(kn, -1, -2)
-    far = rope_apply(q, b, inv_freqs, traditional=traditional) @ mx.swapaxes(k, -1, -2)
+    near = mm(qn, mx.swapaxes(kn, -1, -2))
+    far = mm(rope_apply(q, b, inv_freqs, traditional=traditional), mx.swapaxes(k, -1, -2))
     return mx.where((pq[:, None] - pk[None, :]) < w, near, far)

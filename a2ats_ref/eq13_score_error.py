@@ -9,6 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import checks
+from .precision import mm
 
 
 def score_error(k, c, H) -> mx.array:
@@ -24,4 +25,4 @@ def score_error(k, c, H) -> mx.array:
         raise ValueError(f"H: expected shape (..., {d}, {d}), got shape {tuple(H.shape)}")
     checks.check_symmetric(H, "H")
     e = k - c
-    return mx.sum((e[..., None, :] @ H)[..., 0, :] * e, axis=-1)
+    return mx.sum(mm(e[..., None, :], H)[..., 0, :] * e, axis=-1)

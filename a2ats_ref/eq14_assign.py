@@ -14,6 +14,7 @@ import numpy as np
 
 from . import checks
 from .codes import mx_code_dtype
+from .precision import mm
 
 ROW_CHUNK = 8192
 
@@ -57,7 +58,7 @@ def nearest_rows(x: mx.array, Y: mx.array, bias: mx.array, *, Yt: mx.array | Non
     rows = max(1, min(ROW_CHUNK, BLOCK_BYTES // (4 * K * max(1, math.prod(lead)))))
     out = []
     for s in range(0, N, rows):
-        dist = bias - 2.0 * (x[..., s : s + rows, :] @ Yt)
+        dist = bias - 2.0 * mm(x[..., s : s + rows, :], Yt)
         mx.eval(dist)
         out.append(np.asarray(dist).argmin(axis=-1).astype(np.uint32))
     return mx.array(np.concatenate(out, axis=-1) if len(out) > 1 else out[0])
@@ -70,7 +71,7 @@ def assign(k, C, H) -> mx.array:
     K = C.shape[-2]
     flat = C.ndim == 2 and H.ndim == 2
     x = k.reshape(-1, d) if flat else k
-    CH = C @ H
+    CH = mm(C, H)
     bias = mx.sum(CH * C, axis=-1)[..., None, :]
-    codes = nearest_rows(x @ H, C, bias)
+    codes = nearest_rows(mm(x, H), C, bias)
     return codes.reshape(k.shape[:-1]).astype(mx_code_dtype(K))

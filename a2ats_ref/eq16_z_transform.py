@@ -12,6 +12,7 @@ import mlx.core as mx
 from . import checks
 from .codes import mx_code_dtype
 from .eq14_assign import check_codebook_args, nearest_rows
+from .precision import mm
 
 
 def z_transform(k, L) -> mx.array:
@@ -21,7 +22,7 @@ def z_transform(k, L) -> mx.array:
     checks.check_ndim(k, "k", 1, "(..., d)")
     d = checks.check_head_dim(k.shape[-1], "k.shape[-1] (head_dim)")
     checks.check_lower_triangular(L, "L", d=d)
-    return k @ L
+    return mm(k, L)
 
 
 def z_space_operands(Cz: mx.array) -> tuple[mx.array, mx.array]:
@@ -41,7 +42,7 @@ def assign_z_unchecked(k: mx.array, Cz: mx.array, L: mx.array, operands=None) ->
     operands: z_space_operands(Cz), when the caller keeps them; computed here otherwise.
     """
     CzT, bias = operands if operands is not None else (None, mx.sum(Cz * Cz, axis=-1)[..., None, :])
-    return nearest_rows(k @ L, Cz, bias, Yt=CzT).astype(mx_code_dtype(Cz.shape[-2]))
+    return nearest_rows(mm(k, L), Cz, bias, Yt=CzT).astype(mx_code_dtype(Cz.shape[-2]))
 
 
 def assign_z(k, Cz, L) -> mx.array:

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import checks
 from .codes import mx_code_dtype
+from .precision import addmm, mm
 
 #: rows of z per distance block: a 128 x 4096 float32 block (2 MiB) is still in cache when the argmin reads it
 BLOCK_ROWS = 128
@@ -57,7 +58,7 @@ def nearest(z: mx.array, C: mx.array) -> tuple[mx.array, mx.array]:
     N = z.shape[0]
     codes = np.empty(N, dtype=np.int32)
     for s in range(0, N, BLOCK_ROWS):
-        codes[s : s + BLOCK_ROWS] = _block(mx.addmm(c2, z[s : s + BLOCK_ROWS], Ct_m2)).argmin(axis=-1)
+        codes[s : s + BLOCK_ROWS] = _block(addmm(c2, z[s : s + BLOCK_ROWS], Ct_m2)).argmin(axis=-1)
     codes = mx.array(codes)
     # The error itself is computed directly, not by the (cancellation-prone) expansion.
     err = mx.sum(mx.square(z - C[codes]), axis=-1)
@@ -133,6 +134,28 @@ def _fix_empty(codes: np.ndarray, err: np.ndarray, K: int) -> np.ndarray:
     return members
 
 
+def _means(z: mx.array, members: np.ndarray, K: int, *, fixed_order: bool | None = None) -> mx.array:
+    """Centroids (K, d) of z's rows grouped by members (every cluster non-empty after _fix_empty).
+
+    On the CPU a scatter-add (bitwise repeatable there). Elsewhere a scatter-add is not: MLX CUDA's
+    `.at[].add` sums in whatever order atomics land, so centres, codes and the whole fit would change
+    from run to run. There the sums are a sorted segment sum in float64 on the host: fixed order, so a
+    fit is repeatable bit for bit on a given device and MLX version. fixed_order=None picks by device.
+    """
+    if fixed_order is None:
+        fixed_order = mx.default_device().type != mx.cpu
+    if not fixed_order:
+        mem = mx.array(members)
+        sums = mx.zeros((K, z.shape[1]), dtype=mx.float32).at[mem].add(z)
+        counts = mx.zeros((K,), dtype=mx.float32).at[mem].add(1.0)
+        return sums / counts[:, None]
+    order = np.argsort(members, kind="stable")
+    starts = np.searchsorted(members[order], np.arange(K))
+    sums = np.add.reduceat(np.array(z, dtype=np.float64)[order], starts, axis=0)
+    counts = np.bincount(members, minlength=K).astype(np.float64)
+    return mx.array((sums / counts[:, None]).astype(np.float32))
+
+
 def lloyd_step(z, C) -> tuple[mx.array, mx.array, float]:
     """EQ-17-STEP: (C_new, codes, objective); codes and objective are under the INPUT C."""
     z = _points(z)
@@ -145,15 +168,13 @@ def lloyd_step(z, C) -> tuple[mx.array, mx.array, float]:
     codes, err = nearest(z, C)
     codes_np, err_np = np.array(codes), np.array(err)
     objective = float(np.sum(err_np, dtype=np.float64))
-    members = mx.array(_fix_empty(codes_np, err_np, K))
-    sums = mx.zeros(C.shape, dtype=mx.float32).at[members].add(z)
-    counts = mx.zeros((K,), dtype=mx.float32).at[members].add(1.0)
-    return sums / counts[:, None], codes.astype(mx_code_dtype(K)), objective
+    members = _fix_empty(codes_np, err_np, K)
+    return _means(z, members, K), codes.astype(mx_code_dtype(K)), objective
 
 
 def _two_nearest(zc: mx.array, Ct: mx.array, c2: np.ndarray, z2: np.ndarray):
     """Nearest code and the distances (not squared) to the nearest and second-nearest centre, one block."""
-    dist = c2 - 2.0 * _block(zc @ Ct)
+    dist = c2 - 2.0 * _block(mm(zc, Ct))
     a = dist.argmin(axis=-1)
     r = np.arange(a.size)
     first = dist[r, a]
@@ -220,10 +241,7 @@ class _BoundedLloyd:
         objective = float(np.sum(err))
         members = _fix_empty(self.codes, err, self.K)
         moved = np.flatnonzero(members != self.codes)
-        mem = mx.array(members)
-        sums = mx.zeros(C.shape, dtype=mx.float32).at[mem].add(z)
-        counts = mx.zeros((self.K,), dtype=mx.float32).at[mem].add(1.0)
-        C_new = sums / counts[:, None]
+        C_new = _means(z, members, self.K)
         delta = np.array(mx.sqrt(mx.sum(mx.square(C_new - C), axis=-1))).astype(np.float64)
         # Lower bounds fall by the largest move of any centre other than the point's own.
         top = np.argsort(delta)[-2:] if self.K > 1 else np.array([0, 0])

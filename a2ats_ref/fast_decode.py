@@ -32,18 +32,26 @@ import mlx.core as mx
 import numpy as np
 
 from .eq12_far_keys import far_query_unchecked
+from .rope import rotate_by_tables, rotate_unchecked
 from .retrieval import own_token_only, topk_count
 
 __all__ = ["prepare_codebook", "decode_step_fast", "Selection", "selection_size", "tune_allocator",
            "allocator_tuning_wanted", "allocator_tuned"]
 
-#: candidate count from which method="auto" selects on the host (measured crossover on a 2-core EPYC)
+#: candidate count from which method="auto" selects on the host (measured crossover on a 2-core EPYC);
+#: CPU only: on a GPU the host path costs a device->host copy of the LUT and is 6-9x slower (H200)
 HOST_SELECT_MIN = 32768
 
 
 #: set A2ATS_TUNE_ALLOCATOR=0 to keep glibc's malloc thresholds as they are (enable_a2ats then leaves them)
 TUNE_ALLOCATOR_ENV = "A2ATS_TUNE_ALLOCATOR"
 _allocator_tuned: bool | None = None   # None: not asked yet in this process
+
+
+def auto_method(n_candidates: int) -> str:
+    """method="auto": host selection from HOST_SELECT_MIN candidates on the CPU; in-graph on any other device."""
+    on_cpu = mx.default_device().type == mx.cpu
+    return "host" if on_cpu and n_candidates >= HOST_SELECT_MIN else "mlx"
 
 
 def tune_allocator() -> bool:
@@ -115,13 +123,20 @@ def selection_size(T: int, *, n_q: int, n_kv: int, w: int, sinks: int, topk) -> 
 
 
 @lru_cache(maxsize=64)
-def _lut_fn(B, n_kv, G, d, K, traditional, scale):
-    """Compiled: post-RoPE q (B, n_q, 1, d) -> LUT (B·n_kv, G, K) float32 of scale · q R_{b-i} · C."""
+def _lut_fn(B, n_kv, G, d, K, traditional, scale, tables=False):
+    """Compiled: post-RoPE q (B, n_q, 1, d) -> LUT (B·n_kv, G, K) float32 of scale · q R_{b-i} · C.
+
+    tables=True: `pos` is (cos, sin) of the angle the model's mx.fast.rope applied (EQ-12 on the device).
+    """
     BH = B * n_kv
 
     def lut(q, CT, inv_freqs, b, pos):
         q = q.reshape(B, n_kv, G, d).astype(mx.float32)
-        qb = far_query_unchecked(q, b, inv_freqs, traditional=traditional, positions=pos) * scale
+        if tables:
+            q = rotate_by_tables(q, pos[0], pos[1], traditional, -1.0)
+            qb = rotate_unchecked(q, b, inv_freqs, traditional, 1.0) * scale
+        else:
+            qb = far_query_unchecked(q, b, inv_freqs, traditional=traditional, positions=pos) * scale
         return (qb @ CT).reshape(BH, G, K)
 
     return mx.compile(lut)
@@ -270,7 +285,7 @@ class Selection(NamedTuple):
 def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int, w: int, sinks: int, topk,
                      inv_freqs, traditional: bool, scale: float | None = None, n_tokens: int | None = None,
                      return_mask: bool = False, return_selection: bool = False, method: str = "auto",
-                     bucket: int = 256):
+                     bucket: int = 256, applied_angle=None):
     """One A2ATS decode-attention step (RET-DECODE), mlx-lm layout.
 
     queries (B, n_q, 1, d) post-RoPE at position ``query_pos``; keys/values (B, n_kv, T_buf, d|dv) post-RoPE
@@ -280,6 +295,8 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     Returns (B, n_q, 1, dv) in the values' dtype, plus the bool selection mask (B, n_kv, n_tokens)
     when ``return_mask``, or the lazy ``Selection`` when ``return_selection``.
     Shapes and parameters are checked in pure Python (no host sync).
+    applied_angle: optional (cos, sin) (d/2,) of the angle the model's mx.fast.rope gave the query (the cache
+    passes it, from rope.applied_cos_sin); without it the query is de-rotated by query_pos * inv_freqs.
     """
     if queries.ndim != 4 or queries.shape[2] != 1:
         raise ValueError(f"queries: expected (B, n_q, 1, d), got shape {tuple(queries.shape)}")
@@ -314,11 +331,13 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     BH, G, K = B * n_kv, n_q // n_kv, CT.shape[-1]
     if method == "auto":
-        method = "host" if c1 - c0 >= HOST_SELECT_MIN else "mlx"
+        method = auto_method(c1 - c0)
     if kk > 0:
         f32 = mx.float32
-        lut = _lut_fn(B, n_kv, G, d, K, bool(traditional), scale)(
-            queries, CT, inv.astype(f32), mx.array(float(b), f32), mx.array(float(i), f32))
+        tables = applied_angle is not None
+        pos = mx.stack(list(applied_angle)) if tables else mx.array(float(i), f32)
+        lut = _lut_fn(B, n_kv, G, d, K, bool(traditional), scale, tables)(
+            queries, CT, inv.astype(f32), mx.array(float(b), f32), pos)
         if method == "host":
             mx.eval(lut)
             idx, keep = _select_host(lut, codes, BH=BH, G=G, K=K, kk=kk, c0=c0, c1=c1, bucket=bucket)

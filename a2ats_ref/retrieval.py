@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from . import checks
 from .eq12_far_keys import far_query
+from .precision import mm
 
 
 def gqa_group(n_q: int, n_kv: int) -> int:
@@ -52,7 +53,7 @@ def lut_scores(q_b, C, *, scale=None) -> mx.array:
     G = gqa_group(n_q, n_kv)
     s = attention_scale(scale, d)
     qg = q.reshape(q.shape[:-2] + (n_kv, G, d))
-    lut = (s * qg) @ mx.swapaxes(C, -1, -2)
+    lut = mm(s * qg, mx.swapaxes(C, -1, -2))
     return lut.reshape(q.shape[:-2] + (n_q, K))
 
 
@@ -144,9 +145,9 @@ def select_tokens(scores, *, n_kv_heads: int, query_pos: int, w: int, sinks: int
 
 def attend(q, k, v, bias, scale: float, out_dtype) -> mx.array:
     """Grouped softmax attention (RET-ATTN, PREFILL); q (..., n_kv, G, d), k/v (..., n_kv, S, *), bias (..., n_kv, 1 or G, S)."""
-    logits = (scale * q) @ mx.swapaxes(k, -1, -2) + bias
+    logits = mm(scale * q, mx.swapaxes(k, -1, -2)) + bias
     p = mx.softmax(logits, axis=-1, precise=True)
-    return (p @ v).astype(out_dtype)
+    return mm(p, v).astype(out_dtype)
 
 
 def retrieval_attention(q, k, v, mask, *, scale=None) -> mx.array:

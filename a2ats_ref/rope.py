@@ -88,6 +88,75 @@ def rope_params_from_module(rope_module, head_dim: int | None = None) -> tuple[m
     return inv, bool(rope_module.traditional)
 
 
+def fast_rope_args(rope_module) -> dict:
+    """The angle arguments an mlx-lm rope module hands mx.fast.rope: {"base", "scale"} or {"freqs"}.
+
+    Kept by the cache so it can undo the rotation with the very kernel that applied it (applied_cos_sin).
+    """
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    if type(rope_module) is Llama3RoPE:
+        return {"freqs": rope_module._freqs.astype(mx.float32)}
+    if type(rope_module) is nn.RoPE:
+        return {"base": float(rope_module.base), "scale": float(rope_module.scale)}
+    rope_params_from_module(rope_module)  # raises the unsupported-module ValueError
+    raise AssertionError("unreachable")
+
+
+def fast_rope_to_json(args: dict | None):
+    """fast_rope_args as JSON-safe data (floats as hex, exact), None stays None."""
+    if args is None:
+        return None
+    if "freqs" in args:
+        return {"freqs": [float(x).hex() for x in args["freqs"].tolist()]}
+    return {"base": float(args["base"]).hex(), "scale": float(args["scale"]).hex()}
+
+
+def fast_rope_from_json(obj) -> dict | None:
+    """Inverse of fast_rope_to_json."""
+    if obj is None:
+        return None
+    if "freqs" in obj:
+        return {"freqs": mx.array([float.fromhex(x) for x in obj["freqs"]], dtype=mx.float32)}
+    return {"base": float.fromhex(obj["base"]), "scale": float.fromhex(obj["scale"])}
+
+
+def applied_cos_sin(positions: mx.array, d: int, traditional: bool, args: dict) -> tuple[mx.array, mx.array]:
+    """cos, sin (..., d/2) of the angles mx.fast.rope applies at `positions` (...,) on the current device.
+
+    mx.fast.rope's angles depend on the device: on MLX CUDA with `base=` they differ from the CPU's (and
+    from m * inv_freqs) by up to 1.2e-2 rad at position 90,000. Rotating the unit vectors (1, 0) of every
+    pair with the same call reads the angles back exactly as applied: a (N, 1, 1, d) input with an (N,)
+    offset array rotates row n by positions[n].
+    """
+    flat = positions.reshape(-1).astype(mx.int32)
+    n, half = flat.shape[0], d // 2
+    one, zero = mx.ones((n, 1, 1, half), mx.float32), mx.zeros((n, 1, 1, half), mx.float32)
+    if traditional:
+        unit = mx.stack([one, zero], axis=-1).reshape(n, 1, 1, d)
+    else:
+        unit = mx.concatenate([one, zero], axis=-1)
+    y = mx.fast.rope(unit, d, traditional=traditional, base=args.get("base"), scale=args.get("scale", 1.0),
+                     offset=flat, freqs=args.get("freqs")).reshape(n, d)
+    c, s = (y[:, 0::2], y[:, 1::2]) if traditional else (y[:, :half], y[:, half:])
+    shape = tuple(positions.shape) + (half,)
+    return c.reshape(shape), s.reshape(shape)
+
+
+def rotate_by_tables(x: mx.array, c: mx.array, s: mx.array, traditional: bool, sign: float) -> mx.array:
+    """rotate_unchecked with given cos/sin tables (broadcasting against x's pairs) instead of m * inv_freqs."""
+    d = x.shape[-1]
+    s = sign * s
+    if traditional:
+        a, b = x[..., 0::2], x[..., 1::2]
+    else:
+        a, b = x[..., : d // 2], x[..., d // 2 :]
+    ra, rb = a * c - b * s, a * s + b * c
+    if traditional:
+        return mx.stack([ra, rb], axis=-1).reshape(ra.shape[:-1] + (d,))
+    return mx.concatenate([ra, rb], axis=-1)
+
+
 def rotation_args(x, positions, inv_freqs) -> tuple[mx.array, mx.array, mx.array]:
     """ROPE-APPLY/ROPE-INVERSE preconditions; returns float32 (x, positions, inv_freqs) for rotate_unchecked."""
     x = checks.as_float(x, "x")
@@ -104,17 +173,8 @@ def rotate_unchecked(x: mx.array, positions: mx.array, inv_freqs: mx.array, trad
 
     x, positions, inv_freqs must already be float32 (rotation_args makes them so).
     """
-    d = x.shape[-1]
     theta = positions[..., None] * inv_freqs
-    c, s = mx.cos(theta), sign * mx.sin(theta)
-    if traditional:
-        a, b = x[..., 0::2], x[..., 1::2]
-    else:
-        a, b = x[..., : d // 2], x[..., d // 2 :]
-    ra, rb = a * c - b * s, a * s + b * c
-    if traditional:
-        return mx.stack([ra, rb], axis=-1).reshape(ra.shape[:-1] + (d,))
-    return mx.concatenate([ra, rb], axis=-1)
+    return rotate_by_tables(x, mx.cos(theta), mx.sin(theta), traditional, sign)
 
 
 def rope_apply(x, positions, inv_freqs, *, traditional: bool) -> mx.array:

@@ -4,4 +4,12 @@ Run it with ``a2ats-conformance`` (cli.py). An implementation under test is wrap
 adapter (adapter.py, README-ADAPTER.md); properties live in test_*.py, each citing its spec
 clauses with ``@pytest.mark.clause``; tolerances.py is the one tolerance table of the project;
 mutants.py holds the mutant ports the suite must reject; vectors.py writes golden vectors.
+
+The suite checks float32 arithmetic (SPEC, Conventions: Precision on GPUs), so importing it asks MLX for full
+float32 matmuls (MLX_ENABLE_TF32=0) unless the variable is set: MLX reads it once, at the process's first
+float32 GEMM, which the suite's own plugin import precedes.
 """
+
+import os
+
+os.environ.setdefault("MLX_ENABLE_TF32", "0")

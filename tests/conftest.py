@@ -1,6 +1,10 @@
 """Shared test hooks: every conformance report a test writes must match the report schema the package ships."""
 
 import json
+import os
+
+# Full float32 matmuls on GPUs (MLX reads this once, at the first float32 GEMM): see SPEC, Precision on GPUs.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import pytest
 

@@ -1,0 +1,122 @@
+"""What the reference must get right on GPUs (SPEC, Conventions: Precision on GPUs, The angle the model applied).
+
+Run on any backend; the GPU-only checks skip with the reason on a machine without one.
+"""
+
+import os
+import subprocess
+import sys
+
+import a2ats_ref  # noqa: F401  (before mlx: BLAS preload)
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+from a2ats_ref import precision, rope
+from a2ats_ref.cache import A2ATSCache, assign_codes, random_codebook
+from a2ats_ref.eq17_kmeans import _means, kmeans
+
+ON_GPU = mx.default_device().type == mx.gpu
+pytestmark = pytest.mark.filterwarnings("ignore:A2ATS is using a RANDOM codebook")
+
+
+def test_split_head_is_tf32_exact_and_head_plus_tail_is_the_value():
+    # A head with more than TF32's 10 explicit mantissa bits, or a tail that does not restore x,
+    # would put TF32's rounding back into mm.
+    x = mx.array(np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 1e3)
+    hi, lo = precision._split(x)
+    assert np.all(np.array(hi.view(mx.uint32)) & 0x1FFF == 0)
+    assert np.array_equal(np.array(hi + lo), np.array(x))
+    assert np.all(np.abs(np.array(lo)) <= 2.0 ** -10 * np.abs(np.array(x)))
+
+
+def test_mm_matches_float64_when_tf32_is_forced(monkeypatch):
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((3, 40, 64)), rng.standard_normal((64, 50))
+    monkeypatch.setitem(precision._TF32, str(mx.default_device()), True)
+    got = np.array(precision.mm(mx.array(a.astype(np.float32)), mx.array(b.astype(np.float32))))
+    exact = a.astype(np.float32).astype(np.float64) @ b.astype(np.float32).astype(np.float64)
+    assert np.max(np.abs(got - exact)) <= 1e-5 * np.max(np.abs(exact))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend (MLX CUDA or Metal): TF32 exists only there")
+def test_clause_functions_stay_float32_in_a_tf32_process():
+    code = (
+        "import a2ats_ref, mlx.core as mx, numpy as np\n"
+        "from a2ats_ref import precision\n"
+        "from a2ats_ref.retrieval import lut_scores\n"
+        "r = np.random.default_rng(0); q = r.standard_normal((8, 64)); C = r.standard_normal((2, 512, 64))\n"
+        "got = np.array(lut_scores(mx.array(q.astype(np.float32)), mx.array(C.astype(np.float32)), scale=1.0))\n"
+        "ex = np.einsum('gkd,ghd->ghk', C, q.reshape(2, 4, 64)).reshape(8, 512)\n"
+        "print(precision.tf32_active(), np.max(np.abs(got - ex)) / np.max(np.abs(ex)))\n"
+    )
+    env = dict(os.environ, MLX_ENABLE_TF32="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    active, rel = out.stdout.split()
+    assert rel and float(rel) < 1e-5, out.stdout
+
+
+def _rope_modules():
+    yield nn.RoPE(64, traditional=False, base=500000.0)
+    yield nn.RoPE(64, traditional=True, base=10000.0, scale=0.25)
+    yield Llama3RoPE(64, max_position_embeddings=131072, traditional=False, base=500000.0,
+                     scaling_config={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192})
+
+
+@pytest.mark.parametrize("module", list(_rope_modules()), ids=["neox-base", "traditional-scaled", "llama3"])
+def test_applied_angles_undo_the_models_rotation_to_131072(module):
+    # The de-rotation must undo what mx.fast.rope did on this device (SPEC: The angle the model applied).
+    pos = [0, 1, 4095, 65537, 90000, 131071, 131072]
+    x = mx.array(np.random.default_rng(2).standard_normal((len(pos), 1, 1, 64)).astype(np.float32))
+    y = mx.concatenate([module(x[i : i + 1], offset=p) for i, p in enumerate(pos)])
+    c, s = rope.applied_cos_sin(mx.array(pos), 64, module.traditional, rope.fast_rope_args(module))
+    back = rope.rotate_by_tables(y[:, 0, 0], c, s, module.traditional, -1.0)
+    assert np.max(np.abs(np.array(back - x[:, 0, 0]))) < 1e-5
+
+
+def test_cache_codes_use_the_models_angles():
+    # A cache built with the model's rope arguments codes mx.fast.rope keys as their pre-RoPE selves.
+    module = nn.RoPE(64, traditional=False, base=500000.0)
+    lc = random_codebook(1, 2, 64, 256).layers[0]
+    inv, trad = rope.rope_params_from_module(module)
+    k = mx.array(np.random.default_rng(3).standard_normal((1, 2, 4, 64)).astype(np.float32))
+    pos = mx.array([3, 100000, 120000, 131072])
+    k_post = mx.concatenate([module(k[:, :, i : i + 1], offset=int(p)) for i, p in enumerate(pos.tolist())], axis=2)
+    want = assign_codes(k, mx.zeros((4,)), lc, inv, traditional=trad)
+    got = assign_codes(k_post, pos, lc, inv, traditional=trad, fast_rope=rope.fast_rope_args(module))
+    assert np.array_equal(np.array(got), np.array(want))
+    cache = A2ATSCache(lc, inv, trad, fast_rope=rope.fast_rope_args(module))
+    rebuilt = A2ATSCache(lc, inv, trad)
+    rebuilt.meta_state = cache.meta_state
+    assert rebuilt.fast_rope == cache.fast_rope
+
+
+def test_empty_cache_positions_convert_to_numpy():
+    # np.array(mx.arange(0)) segfaults on MLX CUDA 0.32; an empty cache's positions must not be built that way.
+    lc = random_codebook(1, 2, 64, 256).layers[0]
+    inv, trad = rope.rope_params_from_module(nn.RoPE(64))
+    p = A2ATSCache(lc, inv, trad).positions
+    assert np.array(p).shape == (0,)
+
+
+def test_fixed_order_means_agree_with_scatter_and_repeat_bitwise():
+    rng = np.random.default_rng(4)
+    z = mx.array(rng.standard_normal((5000, 16)).astype(np.float32))
+    members = rng.integers(0, 64, 5000)
+    members[:64] = np.arange(64)
+    host = [np.array(_means(z, members, 64, fixed_order=True)) for _ in range(2)]
+    scatter = np.array(_means(z, members, 64, fixed_order=False))
+    assert np.array_equal(host[0], host[1])
+    assert np.max(np.abs(host[0] - scatter)) < 1e-5
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend: the CPU's scatter-add is repeatable already")
+def test_kmeans_repeats_bitwise_on_the_gpu():
+    z = mx.array(np.random.default_rng(5).standard_normal((20000, 32)).astype(np.float32))
+    runs = [kmeans(z, 256, seed=0, max_iter=8) for _ in range(2)]
+    assert np.array_equal(np.array(runs[0][0]), np.array(runs[1][0]))
+    assert np.array_equal(np.array(runs[0][1]), np.array(runs[1][1]))
