@@ -142,14 +142,37 @@ class _Grader:
         if not any(self.has(n) for n in names):
             return dict(rec, outcome="missing")
         tol = case["tolerance"][self.dtype]
-        for ent, n in zip(case["outputs"], names):
+        got = {}
+        # a decode output depends on the selection the port made: masks are checked first
+        for ent, n in sorted(zip(case["outputs"], names), key=lambda e: "over_mask" in e[0]):
             if not self.has(n):
                 return dict(rec, outcome="fail", message=f"{cid}: answer {n} is missing (the case has outputs "
                             f"{[e['name'] for e in case['outputs']]})")
-            problem = self.check_output(ent, self.load(n), tol)
+            got[ent["name"]] = self.load(n)
+            if "over_mask" in ent:
+                problem = self._over_mask(case, ent, got, tol)
+            else:
+                problem = self.check_output(ent, got[ent["name"]], tol)
             if problem:
                 return dict(rec, outcome="fail", message=f"{cid} ({case['note'] or case['function']}): {problem}")
         return dict(rec, outcome="passed")
+
+    def _over_mask(self, case, ent, got, tol) -> str | None:
+        """decode_step's output: exact attention (RET-ATTN) over the mask the port answered, from the call's inputs."""
+        from a2ats_spec import oracle
+
+        args = [self.dec(a) for a in case["args"][:3]]
+        q, k, v = (a.astype(np.float64) for a in args)
+        scale = case["kwargs"].get("scale", {}).get("value")
+        exp = oracle.retrieval_attention(q, k, v, got[ent["over_mask"]], scale=scale)
+        out = got[ent["name"]]
+        if out.shape != exp.shape:
+            return f"{ent['name']}: shape {out.shape}, expected {exp.shape}"
+        bad = ~np.isclose(out.astype(np.float64), exp, rtol=tol[0], atol=tol[1])
+        if bad.any():
+            return (f"{ent['name']}: {int(bad.sum())} of {out.size} values are not exact attention over the port's own "
+                    f"selection (rtol={tol[0]}, atol={tol[1]}; max error {np.max(np.abs(out - exp)):.3g})")
+        return None
 
 
 def answers_capabilities(meta: dict):

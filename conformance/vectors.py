@@ -485,6 +485,7 @@ def _stateless(B: _Builder, size: str) -> None:
                                             margin=_margin("RET-DECODE", sc))
         B.add("RET-DECODE", "decode_step", (qp, kp, v, codes, Ckv), kw, outputs=(out, m),
               compare=["close", ("mask", must, may)], note=note)
+        B.calls[-1]["outputs"][0]["over_mask"] = "out1"   # graded over the port's own (allowed) selection
     decode(4, 2, 30, 8, 16, "")
     decode(2, 2, 5, 8, 4, "edge: w >= T", w=8)
     decode(2, 1, 10, 8, 4, "edge: sinks > T, w = 0", w=0, sinks=12)

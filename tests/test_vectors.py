@@ -276,3 +276,23 @@ def test_full_size_has_realistic_cases_and_stays_under_50_mb(tmp_path):
     assert sum(dec(s["keys"]).shape[-2] for s in long["steps"] if s["op"] == "append") == 131_073
     size = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
     assert size < 50e6, f"full vectors take {size / 1e6:.1f} MB"
+
+
+def test_decode_output_is_graded_over_the_ports_own_selection(vectors, numpy_answers, tmp_path):
+    """Near ties: another allowed selection with its own exact attention passes; the oracle's output with it fails."""
+    from a2ats_spec import oracle
+
+    manifest, dec = load_vectors(vectors)
+    case = next(c for c in manifest["calls"] if c["function"] == "decode_step" and not c["outputs"][1]["unique"]
+                and (dec(c["outputs"][1]["may"]) & ~np.load(os.path.join(numpy_answers, f"{c['id']}.out1.npy"))).any())
+    out = tmp_path / "ties"
+    shutil.copytree(numpy_answers, out)
+    mask = np.load(out / f"{case['id']}.out1.npy")
+    extra = dec(case["outputs"][1]["may"]) & ~mask
+    mask[tuple(np.argwhere(extra)[0])] = True            # still must <= M <= may
+    np.save(out / f"{case['id']}.out1.npy", mask)
+    q, k, v = (dec(a).astype(np.float64) for a in case["args"][:3])
+    res = grade_cases(vectors, str(out))
+    assert res[case["id"]]["outcome"] == "fail" and "own selection" in res[case["id"]]["message"]
+    np.save(out / f"{case['id']}.out0.npy", oracle.retrieval_attention(q, k, v, mask))
+    assert grade_cases(vectors, str(out))[case["id"]]["outcome"] == "passed"
