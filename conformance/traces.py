@@ -22,20 +22,10 @@ import numpy as np
 from a2ats_spec import oracle as O
 from a2ats_spec.clauses import clause_ids
 
-from .hypothesis_helpers import MAX_POSITION, spd_matrix
+from .hypothesis_helpers import spd_matrix
 from .tolerances import DTYPES, tie_margin, tolerance
 
-__all__ = ["build_traces", "run_trace", "grade_trace", "position_factor"]
-
-
-def position_factor(max_position: int) -> float:
-    """How much a RoPE-angle-dependent margin grows beyond the positions the tolerance table assumes.
-
-    The float32 entries of tolerances.py assume positions up to MAX_POSITION: a float32 angle m·ω carries a
-    rounding error proportional to m, so de-rotated keys (codes) and the R_{b-i} query rotation (selection
-    scores) carry an error that grows linearly with the largest position in the trace.
-    """
-    return max(1.0, max_position / MAX_POSITION)
+__all__ = ["build_traces", "run_trace", "grade_trace"]
 
 
 def _f32(x):
@@ -50,7 +40,7 @@ class _Trace:
         self.B, self.r = B, B.rng
         self.clause, self.note = clause, note
         self.id = f"{clause}.trace.{sum(1 for t in B.traces if t['clause'] == clause):03d}"
-        self.factor = position_factor(max_position)
+        self.max_position = max_position   # margins and tolerances grow past the table's bound (tolerances.py)
         if codebook is None:
             Cz = _f32(self.r.standard_normal((n_kv, K, d)))
             if dup:   # exact ties: the last `dup` codewords repeat the first ones
@@ -75,7 +65,7 @@ class _Trace:
 
     def _expect_state(self, exp):
         dist = self.cache.code_distances()
-        margin = tie_margin("float32", "CACHE-FAR-CODES") * self.factor * max(1.0, float(np.abs(dist).max()) if dist.size else 1.0)
+        margin = tie_margin("float32", "CACHE-FAR-CODES", self.max_position) * max(1.0, float(np.abs(dist).max()) if dist.size else 1.0)
         allowed = O.argmin_allowed(dist, margin) if dist.size else np.zeros(dist.shape, bool)
         ent = self.B.output(self.id, self._name("codes"), self.cache.codes(), ("allowed", allowed))
         ent["code_dtype"] = O.code_dtype(self.config["Cz"].shape[1]).name
@@ -100,7 +90,8 @@ class _Trace:
             bad = np.zeros(k_pre.shape[:-1], bool)
             for g in range(n_kv):
                 dist = O.assign_z_distances(far[..., g, :, :], Cz[g], L[g])
-                m = tie_margin("float32", "CACHE-FAR-CODES") * self.factor * 4 * max(1.0, float(np.abs(dist).max()))
+                # twice the grading margin: no key is drawn near a tie between distinct codewords
+                m = tie_margin("float32", "CACHE-FAR-CODES", self.max_position) * 2 * max(1.0, float(np.abs(dist).max()))
                 allowed = O.argmin_allowed(dist, m)
                 zc = Cz[g]
                 for idx in zip(*np.nonzero(allowed.sum(-1) > 1)):
@@ -129,7 +120,7 @@ class _Trace:
                               traditional=self.config["traditional"]))
         out, mask = self.cache.decode(q)
         s = self.cache.decode_scores(q, self.cache.codes())
-        margin = tie_margin("float32", "CACHE-DECODE") * self.factor * max(1.0, float(np.abs(s).max()))
+        margin = tie_margin("float32", "CACHE-DECODE", self.max_position) * max(1.0, float(np.abs(s).max()))
         must, may = self.cache.decode_allowed(q, self.cache.codes(), margin)
         ent_mask = self.B.output(self.id, self._name("mask"), mask, ("mask", must, may))
         ent_out = self.B.output(self.id, self._name("out"), out, "close")
@@ -171,7 +162,8 @@ class _Trace:
         else:
             requires["topk"] = ["count"]
         self.B.traces.append({"id": self.id, "clause": self.clause, "note": self.note, "requires": requires,
-                              "config": cfg, "tolerance": {dt: list(tolerance(dt, self.clause)) for dt in DTYPES},
+                              "config": cfg, "max_position": self.max_position,
+                              "tolerance": {dt: list(tolerance(dt, self.clause, self.max_position)) for dt in DTYPES},
                               "steps": self.steps})
 
 
