@@ -139,7 +139,13 @@ def _load_iut(config, spec):
         msg = f"IUT {spec!r}: the adapter called sys.exit({exc.code!r}) while being imported or instantiated"
     finally:
         faulthandler.cancel_dump_traceback_later()
-    _emit(config, "error", message=msg)
+    _usage_error(config, msg)
+
+
+def _usage_error(config, msg: str):
+    """Stop the session with ``msg``, which the supervisor puts in the report (run.error)."""
+    if not hasattr(config, "workerinput"):
+        _emit(config, "error", message=msg)
     raise pytest.UsageError(msg)
 
 
@@ -149,7 +155,7 @@ def pytest_configure(config):
     try:
         spec = resolve_iut_spec(config.getoption("iut"))
     except AdapterError as exc:
-        raise pytest.UsageError(str(exc)) from None
+        _usage_error(config, str(exc))
     adapter = _load_iut(config, spec)
     want = config.getoption("a2ats_dtype")
     if want in (None, ""):
@@ -160,13 +166,13 @@ def pytest_configure(config):
         dtypes = [d.strip() for d in want.split(",")]
         bad = [d for d in dtypes if d not in adapter.dtypes]
         if bad:
-            raise pytest.UsageError(f"--a2ats-dtype {want!r}: the IUT declares dtypes {list(adapter.dtypes)}; {bad} not supported")
+            _usage_error(config, f"--a2ats-dtype {want!r}: the IUT declares dtypes {list(adapter.dtypes)}; {bad} not supported")
     devs = []
     if config.getoption("xfails"):
         try:
             devs = _xf.read_xfails(config.getoption("xfails"))
         except ValueError as exc:
-            raise pytest.UsageError(str(exc)) from None
+            _usage_error(config, str(exc))
     caps = _caps.read(adapter, spec)
     _caps.set_current(caps)   # strategies read it at draw time (also on xdist workers: each runs this hook)
     clauses = config.getoption("clauses")

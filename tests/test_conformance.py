@@ -25,6 +25,8 @@ def test_reference_conforms(tmp_path):
     impl = rep["implementation"]
     assert impl["name"].startswith("a2ats_ref") and impl["version"] and impl["dtype"] == "float32"
     assert rep["summary"]["fail"] == 0 and rep["wall_s"] > 0
+    assert rep["run"]["complete"] and not rep["run"]["crashes"] and not rep["run"]["error"]
+    assert all(v["examples"] > 0 for v in rep["clauses"].values())
     assert "| EQ-14 | pass |" in md
 
 
