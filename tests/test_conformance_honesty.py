@@ -120,18 +120,19 @@ def test_exit_on_import_is_reported(tmp_path, module, says):
     assert set(_statuses(rep).values()) == {"untested"}
 
 
-@pytest.mark.parametrize("adapter, n, status", [("ExitInCall", "1", "crash"), ("ExitInCall", "2", "crash"),
-                                                ("SysExitInCall", "1", "fail")])
+@pytest.mark.parametrize("adapter, n, status", [("ExitInCall", "1", "crash"), ("SysExitInCall", "1", "fail")])
 def test_exit_inside_a_call_fails_its_clause_and_the_run_goes_on(tmp_path, adapter, n, status):
     code, rep, _, _ = _cli(tmp_path, "--iut", f"honesty_adapters.misbehave:{adapter}", *FAST, "-n", n)
     assert code == 1 and _statuses(rep) == {"RET-TOPK": status, "ROPE-FREQ": "pass"}, rep["clauses"]
     assert rep["run"]["complete"]
 
 
-@pytest.mark.parametrize("adapter", ["Hang", "NativeHang"])
-def test_a_hang_is_a_timeout(tmp_path, adapter):
+@pytest.mark.parametrize("adapter, n", [("Hang", "1"), ("NativeHang", "1"), ("NativeHang", "2")])
+def test_a_hang_is_a_timeout(tmp_path, adapter, n):
+    """A native hang ends the process running the test: the supervisor (-n 1) or pytest-xdist (-n 2) goes on."""
     t0 = time.time()
-    code, rep, _, _ = _cli(tmp_path, "--iut", f"honesty_adapters.misbehave:{adapter}", *FAST, "--example-timeout", "1")
+    code, rep, _, _ = _cli(tmp_path, "--iut", f"honesty_adapters.misbehave:{adapter}", *FAST, "--example-timeout", "1",
+                           "-n", n)
     assert code == 1 and _statuses(rep) == {"RET-TOPK": "timeout", "ROPE-FREQ": "pass"}, rep["clauses"]
     assert time.time() - t0 < 120
 

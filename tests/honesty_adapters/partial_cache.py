@@ -1,7 +1,7 @@
-"""The reference cache without trim/save/load: undeclared (NoTrim: CACHE-TRIM reads not-implemented) or
+"""The oracle's cache without trim/save/load: undeclared (NoTrim: CACHE-TRIM reads not-implemented) or
 declared (DeclaredNoTrim: CACHE-TRIM reads not-applicable)."""
 
-from a2ats_conformance.adapters.reference import ReferenceAdapter
+from a2ats_spec.oracle import OracleCache
 
 _KEEP = ("append", "decode", "prefill", "codes", "positions", "keys_values")
 
@@ -18,13 +18,10 @@ class _Cache:
 
 
 class NoTrim:
-    name, version, dtypes = "no-trim", "0", ("float32",)
-
-    def __init__(self):
-        self._ref = ReferenceAdapter()
+    name, version, dtypes = "no-trim", "0", ("float64",)
 
     def make_cache(self, config):
-        return _Cache(self._ref.make_cache(config))
+        return _Cache(OracleCache(config))
 
 
 class DeclaredNoTrim(NoTrim):
@@ -32,11 +29,11 @@ class DeclaredNoTrim(NoTrim):
 
 
 class LossyLoad(NoTrim):
-    """The reference cache whose load drops the last token: CACHE-SAVE fails, and its counterexample
+    """The oracle's cache whose load drops the last token: CACHE-SAVE fails, and its counterexample
     records a save/load path that the replay must fill with a fresh folder."""
 
     def make_cache(self, config):
-        cache = self._ref.make_cache(config)
+        cache = OracleCache(config)
         load = cache.load
 
         def lossy(path):
