@@ -22,7 +22,7 @@ float64), so a float32 run really exercises float32 rounding. Codes are int64 fr
 given rather than drawn from ``default_rng(seed)``: a port with its own random stream builds on it.
 
 ``NumpyPort.make_cache(config)`` returns a ``NumpyCache`` (cache protocol of README-ADAPTER.md): batch of
-one; ``save(path)`` writes an ``.npz`` at exactly ``path`` (no pickle) and ``load(path)`` reads it back.
+one, or ``config["batch"]`` rows with a leading batch axis on every array (CACHE-BATCH); ``save(path)`` writes an ``.npz`` at exactly ``path`` (no pickle) and ``load(path)`` reads it back.
 
 The module-level functions (``rope_apply``, ``select_tokens``, …) are the same callables without the
 class, for code that wants a function rather than an adapter; ``PORT`` is a ready instance.
@@ -604,13 +604,12 @@ def code_dtype(K):
 # ----------------------------------------------------------------------------- the cache (CACHE-*)
 
 class NumpyCache:
-    """One layer's A2ATS KV cache, batch of one (README-ADAPTER.md, cache protocol).
+    """One layer's A2ATS KV cache (README-ADAPTER.md, cache protocol), batch of one or ``config["batch"]`` rows.
 
     Keeps the exact post-RoPE keys and values, each token's position and its code, assigned once when
-    written from the de-rotated (pre-RoPE) key (EQ-12, EQ-16, CACHE-FAR-CODES).
+    written from the de-rotated (pre-RoPE) key (EQ-12, EQ-16, CACHE-FAR-CODES). Arrays are held with a
+    leading batch axis (1 without ``batch``); the protocol's arrays have it only when ``batch`` is given.
     """
-
-    _FIELDS = ("keys", "values", "codes", "pos")
 
     def __init__(self, config: dict):
         self.config = dict(config)
@@ -620,10 +619,12 @@ class NumpyCache:
         self.C = np.asarray(config["C"])
         if self.Cz.shape[0] != n_kv or self.Cz.shape[-1] != d or self.L.shape != (n_kv, d, d):
             raise ValueError(f"config: Cz {self.Cz.shape} / L {self.L.shape} do not match n_kv={n_kv}, d={d}")
+        self.batched = config.get("batch") is not None
+        self.B = _integer(config["batch"], "config['batch']", 1) if self.batched else 1
         self.K = self.Cz.shape[1]
-        self.keys = np.zeros((n_kv, 0, d))
-        self.values = None
-        self.codes_ = np.zeros((n_kv, 0), code_dtype(self.K))
+        self.keys = np.zeros((self.B, n_kv, 0, d))
+        self.values = np.zeros((self.B, n_kv, 0, d))
+        self.codes_ = np.zeros((self.B, n_kv, 0), code_dtype(self.K))
         self.pos = np.zeros(0, np.int64)
 
     @property
@@ -633,68 +634,84 @@ class NumpyCache:
     def _rope_kw(self):
         return dict(inv_freqs=self.config["inv_freqs"], traditional=bool(self.config["traditional"]))
 
+    def _in(self, x, name: str, ndim: int) -> np.ndarray:
+        """A protocol array -> its batched form (B, ...)."""
+        a = np.asarray(x)
+        a = a if self.batched else a[None]
+        if a.ndim != ndim + 1 or a.shape[0] != self.B:
+            lead = f"({self.B}, " if self.batched else "("
+            raise ValueError(f"{name}: expected {ndim + self.batched} dims {lead}...), got shape {np.shape(x)}")
+        return a
+
+    def _out(self, a: np.ndarray) -> np.ndarray:
+        return a if self.batched else a[0]
+
     def assign_codes(self, keys_post: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """EQ-12 + EQ-16: de-rotate each key at its own position, then the nearest z-space codeword per KV head."""
+        """EQ-12 + EQ-16: de-rotate each key at its own position, then the nearest z-space codeword per KV head.
+        keys_post (B, n_kv, t, d) -> codes (B, n_kv, t)."""
         pre = far_keys(keys_post, positions, **self._rope_kw())
-        return np.stack([assign_z(pre[g], self.Cz[g], self.L[g]) for g in range(pre.shape[0])])
+        return np.stack([assign_z(pre[:, g], self.Cz[g], self.L[g]) for g in range(pre.shape[1])], axis=1)
 
     def append(self, keys_post, values) -> None:
-        k, v = np.asarray(keys_post), np.asarray(values)
-        n_kv, d = self.keys.shape[0], self.keys.shape[2]
-        if k.ndim != 3 or k.shape[0] != n_kv or k.shape[2] != d or v.ndim != 3 or v.shape[:2] != k.shape[:2]:
-            raise ValueError(f"append: expected keys ({n_kv}, t, {d}) and values ({n_kv}, t, dv), "
-                             f"got {k.shape}, {v.shape}")
-        new_pos = self.offset + np.arange(k.shape[1])
+        k, v = self._in(keys_post, "keys_post", 3), self._in(values, "values", 3)
+        n_kv, d = self.keys.shape[1], self.keys.shape[3]
+        if k.shape[1] != n_kv or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
+            raise ValueError(f"append: expected keys (..., {n_kv}, t, {d}) and values (..., {n_kv}, t, dv), "
+                             f"got {np.shape(keys_post)}, {np.shape(values)}")
+        new_pos = self.offset + np.arange(k.shape[2])
         codes = self.assign_codes(k, new_pos).astype(self.codes_.dtype)
-        if self.values is None or self.offset == 0:
-            self.keys, self.values = k[:, :0], v[:, :0]
-        self.keys = np.concatenate([self.keys, k], axis=1)
-        self.values = np.concatenate([self.values, v], axis=1)
-        self.codes_ = np.concatenate([self.codes_, codes], axis=1)
+        if self.offset == 0:   # the first write fixes the cached dtypes and dv
+            self.keys, self.values = k[:, :, :0], v[:, :, :0]
+        self.keys = np.concatenate([self.keys, k], axis=2)
+        self.values = np.concatenate([self.values, v], axis=2)
+        self.codes_ = np.concatenate([self.codes_, codes], axis=2)
         self.pos = np.concatenate([self.pos, new_pos])
 
     def decode(self, q_post):
         cfg = self.config
         if self.offset == 0:
             raise ValueError("decode: the cache is empty; append the query's own key first")
-        return self.decode_step(np.asarray(q_post), self.keys, self.values, self.codes_, self.C,
-                           query_pos=self.offset - 1, b=cfg["b"], w=cfg["w"], sinks=cfg["sinks"], topk=cfg["topk"],
-                           scale=cfg.get("scale"), return_mask=True, **self._rope_kw())
+        q = self._in(q_post, "q_post", 2)
+        out, mask = self.decode_step(q, self.keys, self.values, self.codes_, self.C, query_pos=self.offset - 1,
+                                     b=cfg["b"], w=cfg["w"], sinks=cfg["sinks"], topk=cfg["topk"],
+                                     scale=cfg.get("scale"), return_mask=True, **self._rope_kw())
+        return self._out(out), self._out(mask)
 
     #: RET-DECODE as this cache runs it (a port variant may swap in its own).
     decode_step = staticmethod(decode_step)
 
     def prefill(self, q_post):
-        return prefill_attention(np.asarray(q_post), self.keys, self.values, scale=self.config.get("scale"))
+        q = self._in(q_post, "q_post", 3)
+        return self._out(prefill_attention(q, self.keys, self.values, scale=self.config.get("scale")))
 
     def trim(self, n: int) -> int:
         n = min(_integer(n, "n", 0), self.offset)
         keep = self.offset - n
-        self.keys, self.values = self.keys[:, :keep], self.values[:, :keep] if self.values is not None else None
-        self.codes_, self.pos = self.codes_[:, :keep], self.pos[:keep]
+        self.keys, self.values = self.keys[:, :, :keep], self.values[:, :, :keep]
+        self.codes_, self.pos = self.codes_[:, :, :keep], self.pos[:keep]
         return n
 
     def codes(self):
-        return self.codes_.copy()
+        return self._out(self.codes_).copy()
 
     def positions(self):
         return self.pos.copy()
 
     def keys_values(self):
-        v = self.values if self.values is not None else np.zeros(self.keys.shape)
-        return self.keys.copy(), v.copy()
+        return self._out(self.keys).copy(), self._out(self.values).copy()
 
     def save(self, path) -> None:
-        """Writes an .npz at exactly `path` (arrays only; the codebook is not saved: load gets it from config)."""
+        """Writes an .npz at exactly `path` (arrays only; the codebook is not saved: load takes it from config)."""
         with open(os.fspath(path), "wb") as f:
-            np.savez(f, keys=self.keys, values=self.keys_values()[1], codes=self.codes_, pos=self.pos,
-                     params=np.array([self.config["w"], self.config["b"], self.config["sinks"]]))
+            np.savez(f, keys=self.keys, values=self.values, codes=self.codes_, pos=self.pos,
+                     params=np.array([self.config["w"], self.config["b"], self.config["sinks"], self.B]))
 
     def load(self, path) -> "NumpyCache":
         with np.load(os.fspath(path), allow_pickle=False) as f:
             params = [int(x) for x in f["params"]]
-            if params != [self.config["w"], self.config["b"], self.config["sinks"]]:
-                raise ValueError(f"load: file has w, b, sinks = {params}, this cache's config differs")
+            mine = [self.config["w"], self.config["b"], self.config["sinks"], self.B]
+            if params != mine:
+                raise ValueError(f"load: file has w, b, sinks, batch = {params}, this cache's config has {mine}")
             new = type(self)(self.config)
             new.keys, new.values, new.codes_, new.pos = f["keys"], f["values"], f["codes"], f["pos"]
         return new

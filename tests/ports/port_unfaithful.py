@@ -259,7 +259,8 @@ class ValuesQuantized(_OneBug):
 
 class _PostRopeCodesCache(P.NumpyCache):
     def assign_codes(self, keys_post, positions):
-        return np.stack([P.assign_z(keys_post[g], self.Cz[g], self.L[g]) for g in range(keys_post.shape[0])])
+        return np.stack([P.assign_z(keys_post[:, g], self.Cz[g], self.L[g]) for g in range(keys_post.shape[1])],
+                        axis=1)
 
 
 class CodesFromPostRopeKeys(_OneBug):
@@ -278,9 +279,9 @@ class _LazyCodesCache(P.NumpyCache):
     def append(self, keys_post, values):
         start = self.offset
         super().append(keys_post, values)
-        fresh = self.codes_[:, max(start, self._coded.shape[1]):]
-        self._coded = np.concatenate([self._coded, fresh], axis=1)
-        self.codes_ = self._coded[:, :self.offset].copy()
+        fresh = self.codes_[..., max(start, self._coded.shape[-1]):]
+        self._coded = np.concatenate([self._coded, fresh], axis=-1)
+        self.codes_ = self._coded[..., :self.offset].copy()
 
     def trim(self, n):
         return super().trim(n)     # self._coded keeps the trimmed tokens' codes
