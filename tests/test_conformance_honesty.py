@@ -44,6 +44,13 @@ def test_cache_without_trim(tmp_path, adapter, status):
     assert "trim" in rep["clauses"]["CACHE-TRIM"]["reason"]
 
 
+def test_count_only_port_gets_no_fraction(tmp_path):
+    code, rep, st = _run(tmp_path, "--iut", "honesty_adapters.count_only", "--clauses", "RET-TOPK,RET-SELECT,RET-DECODE")
+    assert code == 0 and st == {"RET-TOPK": "pass", "RET-SELECT": "pass", "RET-DECODE": "pass"}, rep["clauses"]
+    na = [n for n, t in rep["tests"].items() if t["outcome"] == "not-applicable"]
+    assert len(na) == 1 and "test_select_tokens_is_never_empty" in na[0]   # only a fraction selects 0 tokens
+
+
 def test_clause_of_only_not_applicable_tests_reads_not_applicable():
     from a2ats_conformance.cli import clause_table
 
