@@ -193,7 +193,7 @@ def _decode_with(scores_fn=None, keys_fn=None, duplicates=False):
                                    topk=topk).astype(np.float64)
         keys = k_post if keys_fn is None else keys_fn(codes, C, T, kw)
         s = 1.0 / np.sqrt(d) if scale is None else scale
-        kh, vh, mh = (np.repeat(x, G, axis=-3 if x.ndim >= 3 else -2) for x in (keys, v, mult))
+        kh, vh, mh = np.repeat(keys, G, axis=-3), np.repeat(v, G, axis=-3), np.repeat(mult, G, axis=-2)
         logits = s * np.einsum("...hd,...htd->...ht", q_post, kh)
         logits = np.where(mh > 0, logits, -np.inf)
         p = mh * np.exp(logits - logits.max(axis=-1, keepdims=True))

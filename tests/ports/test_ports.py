@@ -1,6 +1,7 @@
 """Issue 9, "Done when": faithful ports pass the ci profile with 0 fail; each unfaithful port fails the clause
 its bug violates and the report names the bug as the likely cause (deviation id of conformance/deviations.py)."""
 
+import numpy as np
 import pytest
 
 import port_unfaithful as U   # tests/ports is on sys.path (conftest.py)
@@ -51,3 +52,18 @@ def test_unfaithful_port_is_named(run_suite, name):
     if cls.deviation:
         causes = {c["id"] for v in failing.values() for c in v.get("counterexample", {}).get("likely_causes", [])}
         assert cls.deviation in causes, f"{name}: likely causes {sorted(causes)}, expected {cls.deviation}"
+
+
+def test_decode_scaffold_without_a_bug_is_the_numpy_port():
+    """The unfaithful decode ports differ from the NumPy port by their one bug only: with no part replaced,
+    their decode scaffold gives the NumPy port's output and selection (batched inputs included)."""
+    P = U.P
+    rng = np.random.default_rng(1)
+    n_kv, n_q, d, K, T = 2, 4, 8, 5, 12
+    q, k, v = rng.standard_normal((3, n_q, d)), rng.standard_normal((3, n_kv, T, d)), rng.standard_normal((3, n_kv, T, d))
+    codes, C = rng.integers(0, K, (3, n_kv, T)), rng.standard_normal((n_kv, K, d))
+    kw = dict(query_pos=T - 3, b=64, w=2, sinks=1, topk=0.3, inv_freqs=P.rope_inv_freqs(d, 1e4), traditional=False,
+              return_mask=True)
+    o1, m1 = U._decode_with()(q, k, v, codes, C, **kw)
+    o2, m2 = P.decode_step(q, k, v, codes, C, **kw)
+    assert (m1 == m2).all() and abs(o1 - o2).max() < 1e-12
