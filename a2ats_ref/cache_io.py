@@ -26,6 +26,7 @@ import numpy as np
 from .cache import A2ATSCache, A2ATSCodebook, A2ATSConfig, LayerCodebook
 from .codes import mx_code_dtype
 from .fileio import CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, verify_checksums
+from .rope import fast_rope_from_json, fast_rope_to_json
 
 __all__ = ["save_a2ats_cache", "load_a2ats_cache", "FORMAT", "VERSION", "codebook_fingerprint"]
 
@@ -83,6 +84,7 @@ def save_a2ats_cache(path, caches, metadata: Optional[dict] = None) -> None:
             "head_dim": c.codebook.head_dim,
             "K": c.codebook.K,
             "codebook_sha256": codebook_fingerprint(c.codebook),
+            "fast_rope": fast_rope_to_json(c.fast_rope),   # the model's rope call (EQ-12 on the device)
         }
         arrays[f"{i}.inv_freqs"] = c.inv_freqs
         if c.offset:
@@ -150,7 +152,8 @@ def _load_layer(i: int, info: dict, arrays: dict, lc: LayerCodebook) -> A2ATSCac
     if info["codebook_sha256"] != codebook_fingerprint(lc):
         raise ValueError(f"codebook: layer {i} codes were computed with a different codebook (SHA-256 mismatch)")
     inv = arrays[f"{i}.inv_freqs"]
-    cache = A2ATSCache(lc, inv, bool(info["traditional"]), A2ATSConfig(**info["config"]))
+    cache = A2ATSCache(lc, inv, bool(info["traditional"]), A2ATSConfig(**info["config"]),
+                       fast_rope=fast_rope_from_json(info.get("fast_rope")))
     off = int(info["offset"])
     if off == 0:
         return cache

@@ -95,6 +95,21 @@ def test_cache_codes_use_the_models_angles():
     assert rebuilt.fast_rope == cache.fast_rope
 
 
+def test_saved_cache_keeps_the_models_rope_call(tmp_path):
+    # A loaded cache must keep undoing the model's own angles for the tokens it appends later.
+    from a2ats_ref.cache_io import load_a2ats_cache, save_a2ats_cache
+
+    cb = random_codebook(1, 2, 64, 256)
+    module = nn.RoPE(64, traditional=True, base=10000.0, scale=0.5)
+    inv, trad = rope.rope_params_from_module(module)
+    cache = A2ATSCache(cb.layers[0], inv, trad, fast_rope=rope.fast_rope_args(module))
+    kv = mx.zeros((1, 2, 3, 64))
+    cache.update_and_fetch(kv, kv)
+    save_a2ats_cache(str(tmp_path / "c.safetensors"), [cache])
+    (loaded,) = load_a2ats_cache(str(tmp_path / "c.safetensors"), cb)
+    assert loaded.fast_rope == {"base": 10000.0, "scale": 0.5}
+
+
 def test_empty_cache_positions_convert_to_numpy():
     # np.array(mx.arange(0)) segfaults on MLX CUDA 0.32; an empty cache's positions must not be built that way.
     lc = random_codebook(1, 2, 64, 256).layers[0]
