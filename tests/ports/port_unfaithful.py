@@ -157,7 +157,9 @@ class TopkOverT(_OneBug):
         kw = dict(n_kv_heads=n_kv_heads, query_pos=query_pos, w=w, sinks=sinks)
         if k >= 1:
             return P.select_tokens(s, topk=k, **kw)
-        return P.select_tokens(s, topk=1, **kw) & forced      # no candidate at all: sinks and window only
+        if forced.any():                                      # no candidate at all: sinks and window only
+            return P.select_tokens(s, topk=1, **kw) & forced
+        return P.select_tokens(s, topk=1, **kw) & (np.arange(T) == query_pos)   # never empty: own token
 
 
 # ----------------------------------------------------------------------------- decode
@@ -182,6 +184,8 @@ def _decode_with(scores_fn=None, keys_fn=None, duplicates=False):
         visible = np.arange(T) <= query_pos
         if duplicates:   # top-k over every visible token, forced ones included, then forced added again
             k = P.topk_count(query_pos + 1, topk, int(visible.sum() - forced.sum()))
+            if k == 0 and not forced.any():          # RET-SELECT never empty: the query's own token
+                forced = np.arange(T) == query_pos
             ranked = np.where(visible, scores, -np.inf)
             top = np.argsort(-ranked, axis=-1, kind="stable")[..., :k]
             picked = np.zeros(scores.shape, bool)
