@@ -57,6 +57,12 @@ def nearest_rows(x: mx.array, Y: mx.array, bias: mx.array, *, Yt: mx.array | Non
         return mx.zeros(lead + (0,), dtype=mx.uint32)
     rows = max(1, min(ROW_CHUNK, BLOCK_BYTES // (4 * K * max(1, math.prod(lead)))))
     out = []
+    if mx.default_device().type != mx.cpu:
+        # On a GPU the block stays there: MLX's argmin is cheap there, a host copy of each block is not.
+        for s in range(0, N, rows):
+            out.append(mx.argmin(bias - 2.0 * mm(x[..., s : s + rows, :], Yt), axis=-1).astype(mx.uint32))
+            mx.eval(out[-1])
+        return mx.concatenate(out, axis=-1) if len(out) > 1 else out[0]
     for s in range(0, N, rows):
         dist = bias - 2.0 * mm(x[..., s : s + rows, :], Yt)
         mx.eval(dist)

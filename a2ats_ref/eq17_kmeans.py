@@ -56,10 +56,17 @@ def nearest(z: mx.array, C: mx.array) -> tuple[mx.array, mx.array]:
     c2 = mx.sum(C * C, axis=-1)
     mx.eval(Ct_m2, c2)
     N = z.shape[0]
-    codes = np.empty(N, dtype=np.int32)
-    for s in range(0, N, BLOCK_ROWS):
-        codes[s : s + BLOCK_ROWS] = _block(addmm(c2, z[s : s + BLOCK_ROWS], Ct_m2)).argmin(axis=-1)
-    codes = mx.array(codes)
+    if mx.default_device().type != mx.cpu:  # a GPU reduces its own blocks; no host copy of N x K distances
+        parts = []
+        for s in range(0, N, BLOCK_ROWS):
+            parts.append(mx.argmin(addmm(c2, z[s : s + BLOCK_ROWS], Ct_m2), axis=-1).astype(mx.int32))
+            mx.eval(parts[-1])
+        codes = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+    else:
+        codes = np.empty(N, dtype=np.int32)
+        for s in range(0, N, BLOCK_ROWS):
+            codes[s : s + BLOCK_ROWS] = _block(addmm(c2, z[s : s + BLOCK_ROWS], Ct_m2)).argmin(axis=-1)
+        codes = mx.array(codes)
     # The error itself is computed directly, not by the (cancellation-prone) expansion.
     err = mx.sum(mx.square(z - C[codes]), axis=-1)
     return codes, err
