@@ -1,6 +1,6 @@
 """``a2ats-bench``: measured speed and fidelity of A2ATS on this machine.
 
-    a2ats-bench speed    --json F [--md F] [--quick | --tiny] [--T 16384,65536]
+    a2ats-bench speed    --json F [--md F] [--quick | --tiny] [--T 16384,65536] [--only decode,library,update,e2e]
     a2ats-bench fidelity --json F [--md F] [--quick | --tiny] [--profile authors]
 
 Every result carries a machine description (CPU, cores, MLX version, BLAS in use, allocator tuning).
@@ -97,30 +97,39 @@ SPEED_PROFILES = {
 }
 
 
-def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=None) -> dict:
+SPEED_SECTIONS = ("decode", "library", "update", "e2e", "conformance")
+
+
+def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=None, only=None) -> dict:
     from . import bench_speed as bs
 
     p = dict(SPEED_PROFILES[profile])
     if Ts:  # --T: these context lengths for the decode-step table and the library rows
         p["Ts"] = p["lib_Ts"] = list(Ts)
     shape = p["shape"] or bs.LLAMA31_8B
+    want = set(SPEED_SECTIONS if not only else only)
     res = {"decode_step_config": dict(shape, K=p["K"], topk=0.03, w=64, sinks=8, b=2048, batch=1,
                                       baseline="mlx_lm.models.base.scaled_dot_product_attention over a KVCache",
                                       a2ats="a2ats_ref.fast_decode.decode_step_fast (method=auto)",
                                       timing="interleaved repetitions after warm-up; mx.eval sync; medians")}
-    res["decode_step"] = bs.decode_step_table(p["Ts"], p["dtypes"], reps=p["reps"], shape=shape, K=p["K"])
-    if p["lib_Ts"]:
+    res["decode_step"] = (bs.decode_step_table(p["Ts"], p["dtypes"], reps=p["reps"], shape=shape, K=p["K"])
+                          if "decode" in want else [])
+    if "decode" in want and "float32" in p["dtypes"] and len(p["dtypes"]) > 1:
+        _log("A2ATS decode step: each dtype against float32, interleaved")
+        res["dtype_ratio"] = [bs.dtype_ratio_case(T, p["dtypes"], reps=p["reps"], K=p["K"], **shape) for T in p["Ts"]]
+    if p["lib_Ts"] and "library" in want:
         _log("library path: public API only (make_a2ats_cache + enable_a2ats + generate_step)")
         res["library_decode"] = bs.library_default_table(p["lib_Ts"], p["lib_dtypes"], shape=shape, K=p["K"],
                                                          tokens=p["lib_tokens"], rounds=p["lib_rounds"])
-    _log("cache update cost vs T")
-    res["cache_update"] = bs.cache_update_table(p["upd_Ts"], shape=shape, K=p["K"], reps=p["reps"])
-    res["memory"] = bs.memory_table(p["upd_Ts"], shape=shape, K=p["K"])
-    if e2e and p["e2e_ctx"]:
+    if "update" in want:
+        _log("cache update cost vs T")
+        res["cache_update"] = bs.cache_update_table(p["upd_Ts"], shape=shape, K=p["K"], reps=p["reps"])
+        res["memory"] = bs.memory_table(p["upd_Ts"], shape=shape, K=p["K"])
+    if e2e and p["e2e_ctx"] and "e2e" in want:
         _log(f"end-to-end SmolLM2 decode at contexts {p['e2e_ctx']}")
         res["e2e_smollm2"] = bs.e2e_smollm2(ctxs=p["e2e_ctx"], n_tokens=p["e2e_tokens"],
                                             real_prefill_max=p["e2e_real_max"])
-    if p["conformance"] and conformance:
+    if p["conformance"] and conformance and "conformance" in want:
         _log("conformance suite wall time (a2ats-conformance --profile ci)")
         res["conformance_ci_wall_s"] = bs.conformance_wall_time()
     return res
@@ -140,6 +149,12 @@ def speed_markdown(res: dict) -> str:
     for r in res["decode_step"]:
         lines.append(f"| {r['T']} | {r['dtype']} | {r['dense_ms']:.2f} | {r['a2ats_ms']:.2f} | {r['speedup']:.2f}x | "
                      f"{r['bytes_read']['dense']:,} | {r['bytes_read']['a2ats']:,} |")
+    if res.get("dtype_ratio"):
+        lines += ["", "A2ATS decode-step time of each dtype over float32 at the same T (interleaved in one loop; "
+                  "≤ 1.1 is the target):", "", "| T | " + " | ".join(res["dtype_ratio"][0]["time_over_float32"]) + " |",
+                  "|---:|" + "---:|" * len(res["dtype_ratio"][0]["time_over_float32"])]
+        for r in res["dtype_ratio"]:
+            lines.append(f"| {r['T']} | " + " | ".join(f"{v:.2f}" for v in r["time_over_float32"].values()) + " |")
     lib = res.get("library_decode")
     if lib:
         lines += ["", "## Generated tokens through the public API (one attention layer at the shape above)", "",
@@ -227,7 +242,16 @@ def main(argv=None) -> int:
                     help="leave glibc's malloc thresholds alone (see fast_decode.tune_allocator)")
     ap.add_argument("--T", help="speed: comma-separated context lengths for the decode-step table and the "
                                 "library rows (default: the profile's), e.g. --T 16384,65536")
+    ap.add_argument("--only", help=f"speed: comma-separated sections to run, of {', '.join(SPEED_SECTIONS)} "
+                                   "(default: all)")
     args = ap.parse_args(argv)
+    only = None
+    if args.only:
+        only = [x.strip() for x in args.only.split(",") if x.strip()]
+        bad = sorted(set(only) - set(SPEED_SECTIONS))
+        if bad or not only:
+            ap.error(f"--only: unknown section(s) {bad}; choose from {', '.join(SPEED_SECTIONS)}")
+    args.only_sections = only
     Ts = None
     if args.T:
         try:
@@ -271,7 +295,8 @@ def _run(args, profile: str) -> int:
     res = {"schema_version": SCHEMA_VERSION, "benchmark": args.what, "profile": profile,
            "machine": machine(tuned)}
     if args.what == "speed":
-        res.update(run_speed(profile, e2e=not args.no_e2e, conformance=not args.no_conformance, Ts=args.Ts))
+        res.update(run_speed(profile, e2e=not args.no_e2e, conformance=not args.no_conformance, Ts=args.Ts,
+                             only=args.only_sections))
     else:
         res.update(run_fidelity(profile, partial=str(args.json) + ".partial"))
     res["wall_s"] = round(time.perf_counter() - t0, 2)

@@ -107,6 +107,27 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
     }
 
 
+def dtype_ratio_case(T: int, dtypes, *, reps: int, n_q: int, n_kv: int, d: int, K: int = 4096, topk=0.03,
+                     w: int = 64, sinks: int = 8, b: int = 2048) -> dict:
+    """A2ATS decode step in each dtype at one T, interleaved in one loop: time of each dtype / float32's
+    (median of the per-repetition ratios). The same random values (cast), codes and codebook for all."""
+    inv = _rope_inv_freqs(d, 500000.0)
+    kw = dict(query_pos=T - 1, b=b, w=w, sinks=sinks, topk=topk, inv_freqs=inv, traditional=False,
+              scale=1.0 / math.sqrt(d))
+    x32 = decode_step_inputs(T, mx.float32, n_q=n_q, n_kv=n_kv, d=d, K=K)
+    fns = {}
+    for name in dtypes:
+        dt = DTYPES[name]
+        q, k, v = (a.astype(dt) for a in (x32["q"], x32["k"], x32["v"]))
+        mx.eval(q, k, v)
+        fns[name] = (lambda q=q, k=k, v=v: fast_decode.decode_step_fast(q, k, v, x32["codes"], x32["CT"], **kw))
+    res = interleaved(fns, reps=reps)
+    base = res["float32"]["times_ms"]
+    return {"T": T, "ms": {n: r["median_ms"] for n, r in res.items()},
+            "time_over_float32": {n: float(np.median([a / f for a, f in zip(r["times_ms"], base)]))
+                                  for n, r in res.items() if n != "float32"}}
+
+
 def decode_step_table(Ts, dtypes, *, reps: int, shape=None, K: int = 4096, progress: bool = True) -> list:
     shape = dict(LLAMA31_8B if shape is None else shape)
     rows = []

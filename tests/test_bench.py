@@ -24,6 +24,9 @@ def test_speed_quick_json_schema(tmp_path):
         assert r["dense_ms"] > 0 and r["a2ats_ms"] > 0 and r["speedup"] > 0
         if r["T"] >= 16384:  # below that, reading the K=4096 codebook for the LUT can outweigh the saving
             assert r["bytes_read"]["a2ats"] < r["bytes_read"]["dense"]
+    assert [r["T"] for r in res["dtype_ratio"]] == [4096, 16384]   # float16 time / float32 time, interleaved
+    assert all(set(r["time_over_float32"]) == {"float16"} and r["time_over_float32"]["float16"] > 0
+               for r in res["dtype_ratio"])
     lib = res["library_decode"]   # the public-API rows: bench process, fresh process default, fresh untuned
     assert [r["row"].split(" (")[0] for r in lib] == ["bench process", "library default", "library, A2ATS_TUNE_ALLOCATOR=0"]
     assert all("error" not in r and r["dense_ms_per_token"] > 0 and r["a2ats_ms_per_token"] > 0 for r in lib), lib
