@@ -580,8 +580,9 @@ def authors_recall(model, meta, prof, books, b, w, sinks):
     probes = np.linspace(max(T // 4, w + sinks + 1), T - 1, prof["probes"]).astype(int)
     methods = ("query_aware_vq", "query_aware_vq_bf16", "plain_vq", "wrope_true_keys", "exact_topk", "window_sinks")
     budgets = {f"{round(f * 100)}%": f for f in prof["budgets"]}
-    rec = {m: {s: [] for s in budgets} for m in methods}
-    rec_plain_layers = {m: {s: [] for s in budgets} for m in ("query_aware_vq", "plain_vq")}
+    # plain VQ is fitted on plain_layers only, so it is compared with the others on those layers alone
+    rec = {m: {s: [] for s in budgets} for m in methods if m != "plain_vq"}
+    rec_plain_layers = {m: {s: [] for s in budgets} for m in methods}
     sweep = {str(bb): {s: [] for s in budgets} for bb in prof["b_sweep"]}
     err = {"query_aware": {}, "plain": {}}
     code_diff, code_n = 0, 0
@@ -622,15 +623,19 @@ def authors_recall(model, meta, prof, books, b, w, sinks):
             for slot, f in budgets.items():
                 kk = min(int(f * n), len(cand))
                 mass = lambda m: float((p * m[:, None, :]).sum(-1).mean())  # noqa: E731
-                rec["window_sinks"][slot].append(mass(np.broadcast_to(forced, (n_kv, n))))
+                ws = mass(np.broadcast_to(forced, (n_kv, n)))
+                rec["window_sinks"][slot].append(ws)
+                if li in prof["plain_layers"]:
+                    rec_plain_layers["window_sinks"][slot].append(ws)
                 for m, key in (("query_aware_vq", "query_aware"), ("plain_vq", "plain"),
                                ("query_aware_vq_bf16", "query_aware_vq_bf16"), ("wrope_true_keys", "wrope_true_keys"),
                                ("exact_topk", "exact_topk")):
                     if key not in npsc:
                         continue
                     r = mass(_select(npsc[key], forced, cand, kk, n_kv))
-                    rec[m][slot].append(r)
-                    if li in prof["plain_layers"] and m in rec_plain_layers:
+                    if m in rec:
+                        rec[m][slot].append(r)
+                    if li in prof["plain_layers"]:
                         rec_plain_layers[m][slot].append(r)
                 for bb, s in sweep_sc.items():
                     sweep[str(bb)][slot].append(mass(_select(s, forced, cand, kk, n_kv)))
@@ -940,6 +945,11 @@ def authors_markdown(res: dict) -> str:
              "|---|" + "---:|" * len(next(iter(r["attention_mass_recall"].values())))]
     for meth, row in r["attention_mass_recall"].items():
         lines.append(f"| {meth} | " + " | ".join(f"{x:.3f}" for x in row.values()) + " |")
+    pl = r["attention_mass_recall_plain_layers"]
+    lines += ["", f"On the layers with a plain-VQ codebook too ({cb['plain_layers']}):", "",
+              "| method | " + " | ".join(next(iter(pl.values()))) + " |", "|---|" + "---:|" * len(next(iter(pl.values())))]
+    for meth, row in pl.items():
+        lines.append(f"| {meth} | " + " | ".join(f"{x:.3f}" for x in row.values()) + " |")
     lines += ["", f"bfloat16 (authors' arithmetic) vs float32 codes: {100 * r['bf16_codes_differ_share']:.2f}% differ.", "",
               "## b sweep (WRoPE with the true keys)", "", "| b | " + " | ".join(next(iter(r["b_sweep_wrope_true_keys"].values()))) + " |",
               "|---:|" + "---:|" * len(next(iter(r["b_sweep_wrope_true_keys"].values())))]
@@ -967,3 +977,37 @@ def authors_markdown(res: dict) -> str:
                      f"{pk[p]['score_error_mean']:.4f} | {pk[p]['ppl']['dense']:.3f} | {pk[p]['ppl']['a2ats']:.3f} |")
     lines += ["", f"Wall time: {res['wall_s']:.0f} s."]
     return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    """``python -m a2ats_ref.bench_fidelity packing [--text-tokens N] [--K K] [--steps S] [--ctx T] --json F``:
+    the calibration-packing comparison alone (documents vs packed, equal K and token count)."""
+    import argparse
+    import json
+
+    from . import _blas
+    ap = argparse.ArgumentParser(prog="python -m a2ats_ref.bench_fidelity")
+    ap.add_argument("what", choices=["packing"])
+    ap.add_argument("--text-tokens", type=int, default=8192)
+    ap.add_argument("--K", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--ppl-tokens", type=int, default=16)
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args(argv)
+    _blas.preload()
+    global _TOK
+    t0 = time.perf_counter()
+    model, _TOK, meta = _load()
+    prof = dict(AUTHORS_PROFILES["authors"], ppl_tokens=a.ppl_tokens, probes=8,
+                pack_compare=dict(text_tokens=a.text_tokens, uuid_tokens=a.text_tokens // 4, K=a.K, steps=a.steps,
+                                  ctx=a.ctx))
+    res = {"packing": packing_compare(model, meta, prof, 2048, 64, 8), "argv": argv if argv is not None else sys.argv[1:]}
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    with open(a.json, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
