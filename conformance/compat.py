@@ -80,7 +80,8 @@ def main(argv=None) -> int:
                 r = json.load(f)
             s = r["summary"]
             results.append({"implementation": name, "checked_by": how, "dtype": r["implementation"].get("dtype"),
-                            "spec": r.get("spec", {}).get("version"), "pass": s["pass"], "fail": s["fail"],
+                            "spec": r.get("spec", {}).get("version"), "pass": s["pass"],
+                            "fail": f"{s['fail']} ({', '.join(s['failed_clauses'])})" if s["failed_clauses"] else "0",
                             "other": {k: v for k, v in s.items() if isinstance(v, int) and v and k not in ("pass", "fail", "pytest_exit")},
                             "wall_s": round(wall, 1),
                             "command": " && ".join(shlex.join(c) for c in cmds)})
