@@ -47,8 +47,36 @@ def _round(x, dtype: str):
     raise ValueError(f"dtype: expected 'float16' or 'bfloat16', got {dtype!r}")
 
 
+class AllowedMask(np.ndarray):
+    """A selection mask carrying the allowed-result sets ``must`` ⊆ mask ⊆ ``may`` under near ties."""
+
+    must = None
+    may = None
+
+
+class Decoded(tuple):
+    """(out, mask) of a decode, with ``attend(mask)``: the model's output over any given selection."""
+
+    def __new__(cls, items, attend=None):
+        t = super().__new__(cls, items)
+        t.attend = attend
+        return t
+
+
+def _with_allowed(mask, must, may):
+    m = np.asarray(mask).view(AllowedMask)
+    m.must, m.may = must, may
+    return m
+
+
 class Model:
-    """The oracle's A2ATS, composed from hooks (faithful by default). Adapter callables are methods."""
+    """The oracle's A2ATS, composed from hooks (faithful by default). Adapter callables are methods.
+
+    ``tie``: when set (diagnosis sets the dtype's tie margin), selections carry their allowed-result sets
+    and decodes their attention over any selection, so that a port is compared as the suite compares it."""
+
+    tie = None
+    resolution = 0.0   # relative resolution of the scores the model ranks (float16 LUT: its rounding)
 
     # ------------------------------------------------------------------ hooks (the faithful rule each)
     def layout(self, traditional):           # ROPE-APPLY: which pairs rotate together
@@ -206,16 +234,27 @@ class Model:
             forced[i] = True
         flat = self.ranking(s).reshape((-1, n_q, T))
         picked = np.zeros((flat.shape[0], n_kv_heads, T), dtype=bool)
+        must, may = np.zeros_like(picked), np.zeros_like(picked)
+        scale = max(1.0, float(np.max(np.abs(flat))) if flat.size else 1.0)
+        margin = None if self.tie is None else max(self.tie, self.resolution) * scale
         for n in range(flat.shape[0]):
             for g in range(n_kv_heads):
                 for h in self.voters(G):
                     order = np.argsort(-flat[n, g * G + h, idx], kind="stable")
                     picked[n, g, idx[order[:k]]] = True
-        picked = picked.reshape(s.shape[:-2] + (n_kv_heads, T))
+                    if margin is not None:
+                        mu, ma = _o.topk_allowed(flat[n, g * G + h, idx], k, margin)
+                        must[n, g, idx] |= mu
+                        may[n, g, idx] |= ma
+        lead = s.shape[:-2] + (n_kv_heads, T)
+        picked = picked.reshape(lead)
         mult = picked.astype(np.int64) + forced
         if not self.duplicates():
             mult = np.minimum(mult, 1)
-        return mult > 0, mult
+        mask = mult > 0
+        if margin is not None:
+            mask = _with_allowed(mask, must.reshape(lead) | forced, may.reshape(lead) | forced)
+        return mask, mult
 
     def select_tokens(self, scores, *, n_kv_heads, query_pos, w, sinks, topk):
         return self.select(scores, n_kv_heads=n_kv_heads, query_pos=query_pos, w=w, sinks=sinks, topk=topk)[0]
@@ -248,8 +287,13 @@ class Model:
                                  topk=topk, capacity=capacity)
         keys = self.attention_keys(k_post, codes, _f(C), inv_freqs, traditional)
         q_att = self.attention_query(q_post, query_pos=query_pos, b=b, w=w, inv=inv_freqs, traditional=traditional)
-        out = self._attend(q_att, keys, self.attention_values(v), mult, scale)
-        return (out, mask) if return_mask else out
+        vals = self.attention_values(v)
+        out = self._attend(q_att, keys, vals, mult, scale)
+        if not return_mask:
+            return out
+        extra = mult - mask                   # copies beyond one (duplicate-tokens), kept for any selection
+        return Decoded((out, mask), attend=lambda m: self._attend(q_att, keys, vals, np.asarray(m, np.int64) + extra * m,
+                                                                  scale))
 
     def prefill_attention(self, q, k, v, *, scale=None):
         return _o.prefill_attention(q, k, v, scale=scale)
@@ -313,7 +357,9 @@ class ModelCache(OracleCache):
                                    b=c["b"], w=c["w"], sinks=c["sinks"], topk=c["topk"], inv_freqs=self.inv_freqs,
                                    traditional=self.traditional, scale=self.scale, return_mask=True, capacity=cap)
                 for r in range(self.B)]
-        return self._out(np.stack([o for o, _ in rows])), self._out(np.stack([m for _, m in rows]))
+        if not self.batched:
+            return rows[0]
+        return _stack_rows(rows, [r[1] for r in rows])
 
     def trim(self, n):
         if not self.trim_codes:
@@ -336,18 +382,29 @@ class ModelCache(OracleCache):
         return self._saved.copy()
 
 
+def _stack_rows(rows, masks):
+    """One batched Decoded from per-row decodes, every row attending over masks[r]."""
+    out = np.stack([r.attend(m) if r.attend else r[0] for r, m in zip(rows, masks)])
+    mask = np.stack([np.asarray(m) for m in masks])
+    if all(getattr(m, "must", None) is not None for m in masks):
+        mask = _with_allowed(mask, np.stack([m.must for m in masks]), np.stack([m.may for m in masks]))
+    attend = (lambda ms: np.stack([r.attend(m) for r, m in zip(rows, ms)])) if all(r.attend for r in rows) else None
+    return Decoded((out, mask), attend=attend)
+
+
 class _RowZeroSelection(ModelCache):
     """Batched decode: every row attends its own keys over row 0's selection."""
 
     def decode(self, q_post):
-        out, mask = super().decode(q_post)
         if not self.batched or self.B < 2:
-            return out, mask
+            return super().decode(q_post)
         q = self._in(q_post, "q_post", (self.n_q, self.d))
-        mask = np.broadcast_to(mask[:1], mask.shape).copy()
-        out = np.stack([self.m._attend(q[r], self._k[r], self._v[r], mask[r].astype(np.int64), self.scale)
-                        for r in range(self.B)])
-        return out, mask
+        c = self.config
+        rows = [self.m.decode_step(q[r], self._k[r], self._v[r], self._c[r], self.C, query_pos=self.offset - 1,
+                                   b=c["b"], w=c["w"], sinks=c["sinks"], topk=c["topk"], inv_freqs=self.inv_freqs,
+                                   traditional=self.traditional, scale=self.scale, return_mask=True)
+                for r in range(self.B)]
+        return _stack_rows(rows, [rows[0][1]] * self.B)
 
 
 class _ChunkRerotated(ModelCache):
@@ -431,6 +488,7 @@ def _lowp(name, dtype, **which):
     if "pos" in which:
         hooks["pos"] = lambda self, p: _round(p, dtype)
     if "lut" in which:
+        hooks["resolution"] = 2.0 ** (-9 if dtype == "float16" else -6)
         if which["lut"] == "inputs":
             hooks["lut"] = lambda self, q_b, C, scale: _round(_o.lut_scores(_round(q_b, dtype), _round(C, dtype),
                                                                             scale=scale), dtype)
@@ -573,7 +631,7 @@ DEVIATIONS: tuple[Deviation, ...] = (
          _model("OwnPosition", "R_{i-j}", token_scores_for=_own_position_scores, far_scores=_own_position_far)),
     _dev("float16-lut", "LUT (q R_b · C) held in float16 or bfloat16: near-tied scores reorder", {"lut_scores"} | _DECODE,
          _lowp("LutF16", "float16", lut="out"), _lowp("LutF16In", "float16", lut="inputs"),
-         _lowp("LutBF16", "bfloat16", lut="out"), _model("LutF16Arith", "float16 arithmetic", lut=_lut_f16_arith)),
+         _lowp("LutBF16", "bfloat16", lut="out"), _model("LutF16Arith", "float16 arithmetic", lut=_lut_f16_arith, resolution=2.0 ** -9)),
     _dev("positions-low-precision", "positions rounded through float16 or bfloat16 before the RoPE angle",
          _ROPE | _FAR | _DECODE,
          _lowp("PosF16", "float16", pos=1), _lowp("PosBF16", "bfloat16", pos=1),

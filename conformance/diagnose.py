@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 
 import numpy as np
 
-from .deviations import DEVIATIONS, Deviation, Model
+from .deviations import DEVIATIONS, Decoded, Deviation, Model
 from .repro import fill_placeholder
-from .tolerances import tolerance
+from .tolerances import tie_margin, tolerance
 
 __all__ = ["diagnose", "help_lines", "replay"]
 
@@ -35,8 +36,10 @@ def _up(x):
     return x
 
 
-def replay(model: Model, calls) -> dict[int, object]:
-    """Outputs of ``model`` on the recorded calls: index -> result (_SKIP / _ERR where none)."""
+def replay(model: Model, calls, tie: float | None = None) -> dict[int, object]:
+    """Outputs of ``model`` on the recorded calls: index -> result (_SKIP / _ERR where none). With ``tie``
+    (a tie margin), selections carry their allowed sets and decodes their attention over any selection."""
+    model.tie = tie
     tmp = tempfile.mkdtemp(prefix="a2ats-diagnose-")   # recorded save/load paths are placeholders (repro.py)
     try:
         return _replay(model, calls, tmp)
@@ -67,10 +70,40 @@ def _replay(model: Model, calls, tmp: str) -> dict[int, object]:
     return outs
 
 
+def _allowed_mask(port, model_mask) -> bool:
+    """A port's selection against the model's: must ⊆ mask ⊆ may when the model carries them, else equal."""
+    try:
+        pm = np.asarray(port)
+    except Exception:  # noqa: BLE001
+        return False
+    if pm.dtype.kind not in "biu" or pm.shape != np.shape(model_mask):
+        return False
+    pm = pm.astype(bool)
+    must, may = getattr(model_mask, "must", None), getattr(model_mask, "may", None)
+    if must is None:
+        return bool(np.array_equal(pm, np.asarray(model_mask, bool)))
+    return not (must & ~pm).any() and not (pm & ~may).any()
+
+
 def _same(port, other, rtol: float, atol: float):
-    """True / False, or None when the result is not comparable (not an output the suite judges)."""
+    """True / False, or None when the result is not comparable (not an output the suite judges).
+
+    A decode (out, mask) is judged as the suite judges it: the mask in the model's allowed set, the output
+    the model's attention over the port's own mask."""
     if other is _SKIP or port is None:
         return None
+    if isinstance(other, Decoded) and isinstance(port, (tuple, list)) and len(port) == 2:
+        if not _allowed_mask(port[1], other[1]):
+            return False
+        if other.attend is None:
+            return _same(port[0], other[0], rtol, atol)
+        try:
+            want = other.attend(np.asarray(port[1]).astype(bool))
+        except Exception:  # noqa: BLE001 - e.g. a head with nothing selected
+            return False
+        return _same(port[0], want, rtol, atol)
+    if getattr(other, "must", None) is not None:
+        return _allowed_mask(port, other)
     if not isinstance(port, (tuple, list, np.dtype, type, np.ndarray, np.generic, int, float, bool)):
         return None   # e.g. a cache object
     if other is _ERR:
@@ -100,6 +133,24 @@ def _same(port, other, rtol: float, atol: float):
     return bool(np.all(np.isfinite(a)) and np.all(np.abs(a - b) <= atol + rtol * np.abs(b)))
 
 
+def _call_tolerance(dtype: str, clause: str, name: str) -> tuple[float, float]:
+    """The loosest of the failing clause's tolerance and that of the clause defining the call: a port's
+    output is compared here with a float64 model, as the call's own clause compares it."""
+    from .adapter import CLAUSE_FUNCTIONS
+
+    method = name.split(".", 1)[1] if name.startswith("cache") and "." in name else None
+    own = [c for c, fs in CLAUSE_FUNCTIONS.items() if name in fs]
+    own += {"decode": ["CACHE-DECODE"], "prefill": ["PREFILL", "CACHE-DENSE-EQUIV"]}.get(method, [])
+    tols = [tolerance(dtype, c) for c in [clause, *own]]
+    return max(t[0] for t in tols), max(t[1] for t in tols)
+
+
+def _tie(dtype: str, clause: str) -> float:
+    """Tie margin for selections: the failing clause's (ctx.margin's default) or RET-LUT's, the accuracy
+    of the ranked scores, whichever is smaller (the near-tie properties judge with RET-LUT's)."""
+    return min(tie_margin(dtype, clause), tie_margin(dtype, "RET-LUT"))
+
+
 def _applies(dev: Deviation, name: str) -> bool:
     return name in dev.applies or (name.startswith("cache") and "make_cache" in dev.applies)
 
@@ -109,11 +160,12 @@ def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict) -> bool:
     idx = [i for i, (name, _, _) in enumerate(calls) if i in port and _applies(dev, name)]
     if not idx:
         return False
-    rtol, atol = tolerance(dtype, example["clause"])
+    tols = {i: _call_tolerance(dtype, example["clause"], calls[i][0]) for i in idx}
     for model in dev.models():
-        deviant = replay(model, calls)
+        deviant = replay(model, calls, _tie(dtype, example["clause"]))
         explained, consistent = False, True
         for i in idx:
+            rtol, atol = tols[i]
             d = _same(port[i], deviant[i], rtol, atol)
             o = _same(port[i], faithful[i], rtol, atol)
             if d is None:
@@ -128,28 +180,48 @@ def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict) -> bool:
     return False
 
 
-def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS) -> list[dict]:
+#: bounds of one diagnosis: at most this many failing examples (the smallest), and this much time
+MAX_EXAMPLES = 10
+BUDGET_S = 30.0
+
+
+def _size(example: dict) -> int:
+    return sum(np.size(x) for _, args, kw in example["calls"] for x in (*args, *kw.values())
+               if isinstance(x, np.ndarray))
+
+
+def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS, budget_s: float = BUDGET_S) -> list[dict]:
     """[{id, cause, matched, of}] for every deviation matching at least one failing example, best first.
 
-    ``examples``: Context failure snapshots ({clause, calls, outputs, notes}); ``of`` counts those with
-    at least one recorded IUT output."""
-    usable = [e for e in examples if e.get("outputs")]
-    faithful = [replay(Model(), e["calls"]) for e in usable]
-    found = []
+    ``examples``: Context failure snapshots ({clause, calls, outputs, notes}); ``of`` counts those tried
+    (with at least one recorded IUT output; the MAX_EXAMPLES smallest). Deviations not reached within
+    ``budget_s`` are left out (the last entry then says so, with id None)."""
+    usable = sorted((e for e in examples if e.get("outputs")), key=_size)[:MAX_EXAMPLES]
+    t0 = time.monotonic()
+    faithful = [replay(Model(), e["calls"], _tie(dtype, e["clause"])) for e in usable]
+    found, skipped = [], []
     for dev in deviations:
+        if time.monotonic() - t0 > budget_s:
+            skipped.append(dev.id)
+            continue
         hits = [e for e, f in zip(usable, faithful) if _matches(dev, e, dtype, f)]
         if hits:
             found.append({"id": dev.id, "cause": dev.describe(hits), "matched": len(hits), "of": len(usable)})
     found.sort(key=lambda r: -r["matched"])   # stable: ties keep the library's order
+    if skipped:
+        found.append({"id": None, "cause": f"diagnosis stopped after {budget_s:g} s; not tried: {', '.join(skipped)}",
+                      "matched": 0, "of": len(usable)})
     return found
 
 
 def help_lines(causes: list[dict], n_examples: int, limit: int = 3) -> list[str]:
-    if not causes:
-        return [f"help: no known cause matched ({n_examples} failing example(s) replayed through "
-                f"{len(DEVIATIONS)} known deviations)"]
+    named = [c for c in causes if c["id"] is not None]
+    notes = [f"help: {c['cause']}" for c in causes if c["id"] is None]
+    if not named:
+        return [f"help: no known cause matched ({min(n_examples, MAX_EXAMPLES)} failing example(s) replayed "
+                f"through {len(DEVIATIONS)} known deviations)"] + notes
     return [f"help: likely cause: {c['cause']}, matches {c['matched']}/{c['of']} failing examples [{c['id']}]"
-            for c in causes[:limit]]
+            for c in named[:limit]] + notes
 
 
 def _jsonable_notes(notes: dict) -> dict:
