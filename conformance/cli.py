@@ -178,7 +178,7 @@ def run_line(report: dict) -> str:
         return f"RUN ERROR: {run['error']}; no verdict below was earned"
     parts = []
     if run["interrupted"]:
-        parts.append("interrupted (Ctrl-C): clauses whose tests did not finish read 'interrupted'")
+        parts.append("interrupted (Ctrl-C or SIGTERM): clauses whose tests did not finish read 'interrupted'")
     elif not run["complete"]:
         parts.append("incomplete: the run stopped before every test finished")
     for c in run["crashes"]:

@@ -107,8 +107,24 @@ def _wait(proc: subprocess.Popen) -> tuple[int, bool]:
         _kill_group(proc, signal.SIGKILL)   # orphaned xdist workers of a dead controller
 
 
+def _term_as_interrupt(signum, frame):
+    raise KeyboardInterrupt   # SIGTERM (a CI job cancelled) is handled like Ctrl-C: reports still written
+
+
 def run_child_suite(pytest_args: list[str], *, quiet: bool) -> Outcome:
     """Run ``python -m pytest *pytest_args`` in a supervised child (see the module docstring)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return _run_child_suite(pytest_args, quiet=quiet)
+    old = signal.signal(signal.SIGTERM, _term_as_interrupt)
+    try:
+        return _run_child_suite(pytest_args, quiet=quiet)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _run_child_suite(pytest_args: list[str], *, quiet: bool) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="a2ats-run-") as run_dir:
         stream = os.path.join(run_dir, "stream.jsonl")
         skip = os.path.join(run_dir, "done.txt")
@@ -137,7 +153,7 @@ def run_child_suite(pytest_args: list[str], *, quiet: bool) -> Outcome:
             out["error"] = (f"the suite's process exited with status {out['pytest_exit']} before the IUT was loaded "
                             f"(the adapter exited or crashed while being imported?)")
         left = [n for n in out["collected"] if n not in out["done"]]
-        why = "the run was interrupted (Ctrl-C)" if out["interrupted"] else "the run stopped before this test finished"
+        why = "the run was interrupted (Ctrl-C or SIGTERM)" if out["interrupted"] else "the run stopped before this test finished"
         for nid in left:   # a test cut short keeps no verdict, whatever its setup reported
             out["tests"][nid] = {"clauses": out["collected"][nid], "examples": 0, "duration": 0.0,
                                  "outcome": "interrupted", "reason": why}

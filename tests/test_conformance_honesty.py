@@ -93,7 +93,8 @@ def _no_unearned_pass(rep):
     assert not [c for c, v in rep["clauses"].items() if v["status"] == "pass" and v["examples"] == 0], rep["clauses"]
 
 
-def test_ctrl_c_writes_reports_and_no_unearned_pass(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_writes_reports_and_no_unearned_pass(tmp_path, sig):
     marker = tmp_path / "started"
     js, md = tmp_path / "r.json", tmp_path / "r.md"
     env = dict(os.environ, PYTHONPATH=str(ROOT), A2ATS_TEST_MARKER=str(marker))
@@ -103,13 +104,13 @@ def test_ctrl_c_writes_reports_and_no_unearned_pass(tmp_path):
     while not marker.exists() and time.time() < deadline:   # ROPE-FREQ (1 s per call) has started
         time.sleep(0.1)
     time.sleep(0.5)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     code = p.wait(timeout=120)
     rep = json.loads(js.read_text())
     assert code == 3 and rep["run"]["interrupted"] and not rep["run"]["complete"]
     assert _statuses(rep) == {"RET-TOPK": "pass", "ROPE-FREQ": "interrupted"}, rep["clauses"]
     _no_unearned_pass(rep)
-    assert "interrupted (Ctrl-C)" in md.read_text()
+    assert "interrupted (Ctrl-C or SIGTERM)" in md.read_text()
 
 
 def test_empty_iut_is_an_error(tmp_path):
