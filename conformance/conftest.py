@@ -3,6 +3,7 @@
 from a2ats_conformance.plugin import (  # noqa: F401  (pytest finds hooks and fixtures by name)
     ctx,
     pytest_addoption,
+    pytest_collection_finish,
     pytest_collection_modifyitems,
     pytest_configure,
     pytest_generate_tests,

@@ -232,7 +232,11 @@ def pytest_collection_modifyitems(session, config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
-    _emit(config, "collected", tests={it.nodeid: list(item_clauses(it)) for it in keep})
+
+
+def pytest_collection_finish(session):
+    # After every deselection (-k, --clauses, the skip list): the tests this process will run.
+    _emit(session.config, "collected", tests={it.nodeid: list(item_clauses(it)) for it in session.items})
 
 
 def pytest_runtest_setup(item):
