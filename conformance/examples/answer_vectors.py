@@ -50,41 +50,6 @@ def save(path: str, x) -> None:
     np.save(path, np.asarray(x), allow_pickle=False)
 
 
-class RowsCache:
-    """A batch of B rows (config "batch") as B one-row caches: rows are independent (README-ADAPTER.md)."""
-
-    def __init__(self, config: dict):
-        self.rows = [numpy_port.NumpyCache(config) for _ in range(config["batch"])]
-
-    offset = property(lambda self: self.rows[0].offset)
-
-    def append(self, k, v):
-        for c, kr, vr in zip(self.rows, k, v):
-            c.append(kr, vr)
-
-    def decode(self, q):
-        outs, masks = zip(*(c.decode(qr) for c, qr in zip(self.rows, q)))
-        return np.stack(outs), np.stack(masks)
-
-    def prefill(self, q):
-        return np.stack([c.prefill(qr) for c, qr in zip(self.rows, q)])
-
-    def trim(self, n):
-        return [c.trim(n) for c in self.rows][0]
-
-    def codes(self):
-        return np.stack([c.codes() for c in self.rows])
-
-    def save(self, path):
-        for i, c in enumerate(self.rows):
-            c.save(f"{path}.row{i}")
-
-    def load(self, path):
-        new = RowsCache.__new__(RowsCache)
-        new.rows = [c.load(f"{path}.row{i}") for i, c in enumerate(self.rows)]
-        return new
-
-
 def answer_call(case, value, dtype, out_dir):
     fn = getattr(numpy_port.PORT, case["function"])
     args = [value(a, dtype) for a in case["args"]]
@@ -102,7 +67,7 @@ def answer_call(case, value, dtype, out_dir):
 
 def answer_trace(trace, value, dtype, out_dir, tmp):
     config = {k: value(v, dtype) for k, v in trace["config"].items()}
-    cache = RowsCache(config) if config.get("batch") else numpy_port.NumpyCache(config)
+    cache = numpy_port.NumpyCache(config)          # config "batch": B -> arrays with a leading batch axis
     for n, step in enumerate(trace["steps"]):
         op, res = step["op"], {}
         if op == "append":
