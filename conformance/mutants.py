@@ -192,6 +192,7 @@ class _ForgetfulCache(ReferenceCache):
         # codes computed as if the tokens sat `drift` positions later: de-rotation by p + drift
         shifted = _o.rope_invert(_np(keys_post), np.full(t, self._drift), inv, traditional=self.config["traditional"])
         super().append(shifted.astype(keys_post.dtype), values)
+        self._c.codes_view()   # code the shifted keys now: the cache codes pending tokens lazily, from stored keys
         self._c.keys[..., prev:prev + t, :] = mx.array(keys_post)[None]   # the stored keys themselves are right
 
 
@@ -290,6 +291,7 @@ class _LowPrecisionPositionsCache(_SameClassOnLoad, ReferenceCache):
         # keys rotated by p - round(p): the cache's de-rotation at p then lands at round(p)
         moved = _o.rope_invert(_np(keys_post), err, _np(self.config["inv_freqs"]), traditional=self.config["traditional"])
         super().append(moved.astype(keys_post.dtype), values)
+        self._c.codes_view()   # code the moved keys now: the cache codes pending tokens lazily, from stored keys
         self._c.keys[..., prev:prev + t, :] = _rows(self, keys_post)   # the stored keys themselves are right
 
 
