@@ -650,7 +650,9 @@ class NumpyCache:
         """EQ-12 + EQ-16: de-rotate each key at its own position, then the nearest z-space codeword per KV head.
         keys_post (B, n_kv, t, d) -> codes (B, n_kv, t)."""
         pre = far_keys(keys_post, positions, **self._rope_kw())
-        return np.stack([assign_z(pre[:, g], self.Cz[g], self.L[g]) for g in range(pre.shape[1])], axis=1)
+        # Row by row and head by head, so a row's codes are bit-identical to a batch-of-one cache's (BLAS may sum
+        # a batched product in another order, and a last-bit difference can flip a near tie; CACHE-BATCH).
+        return np.array([[assign_z(row[g], self.Cz[g], self.L[g]) for g in range(row.shape[0])] for row in pre])
 
     def append(self, keys_post, values) -> None:
         k, v = self._in(keys_post, "keys_post", 3), self._in(values, "values", 3)
@@ -672,10 +674,11 @@ class NumpyCache:
         if self.offset == 0:
             raise ValueError("decode: the cache is empty; append the query's own key first")
         q = self._in(q_post, "q_post", 2)
-        out, mask = self.decode_step(q, self.keys, self.values, self.codes_, self.C, query_pos=self.offset - 1,
-                                     b=cfg["b"], w=cfg["w"], sinks=cfg["sinks"], topk=cfg["topk"],
-                                     scale=cfg.get("scale"), return_mask=True, **self._rope_kw())
-        return self._out(out), self._out(mask)
+        rows = [self.decode_step(q[r], self.keys[r], self.values[r], self.codes_[r], self.C, query_pos=self.offset - 1,
+                                 b=cfg["b"], w=cfg["w"], sinks=cfg["sinks"], topk=cfg["topk"], scale=cfg.get("scale"),
+                                 return_mask=True, **self._rope_kw())
+                for r in range(self.B)]    # row by row: each row's selection is exactly a batch-of-one cache's
+        return self._out(np.stack([o for o, _ in rows])), self._out(np.stack([m for _, m in rows]))
 
     #: RET-DECODE as this cache runs it (a port variant may swap in its own).
     decode_step = staticmethod(decode_step)
