@@ -54,6 +54,18 @@ class AllowedMask(np.ndarray):
     may = None
 
 
+class AllowedCodes(np.ndarray):
+    """Codes carrying ``allowed`` (..., K) bool: the near-optimal codes of each token (argmin_allowed)."""
+
+    allowed = None
+
+
+def _with_allowed_codes(codes, allowed):
+    c = np.asarray(codes).view(AllowedCodes)
+    c.allowed = allowed
+    return c
+
+
 class Decoded(tuple):
     """(out, mask) of a decode, with ``attend(mask)``: the model's output over any given selection."""
 
@@ -125,7 +137,11 @@ class Model:
         return False
 
     def code_keys(self, k_pre, cfg):         # CACHE-FAR-CODES: Eq. 16 assignment of the pre-RoPE key
-        return np.stack([self.assign_z(k_pre[g], cfg["Cz"][g], cfg["L"][g]) for g in range(k_pre.shape[0])])
+        heads = [self.assign_z(k_pre[g], cfg["Cz"][g], cfg["L"][g]) for g in range(k_pre.shape[0])]
+        codes = np.stack([np.asarray(h) for h in heads])
+        if all(getattr(h, "allowed", None) is not None for h in heads):
+            return _with_allowed_codes(codes, np.stack([h.allowed for h in heads]))
+        return codes
 
     def attention_keys(self, k_post, codes, C, inv, traditional):   # RET-DECODE: exact keys
         return _f(k_post)
@@ -202,9 +218,13 @@ class Model:
         return self.z(k, L)
 
     def assign_z(self, k, Cz, L):
-        zk = self.z(k, L)
-        d2 = np.sum((zk[..., None, :] - _f(Cz)) ** 2, axis=-1)
-        return np.argmin(d2, axis=-1).astype(np.int64)
+        zk, Cz = self.z(k, L), _f(Cz)
+        # ‖z - c‖² expanded: one matmul, where T x K x d differences are gigabytes at T = 32768 (host path)
+        d2 = np.sum(zk * zk, axis=-1)[..., None] - 2.0 * zk @ Cz.T + np.sum(Cz * Cz, axis=-1)
+        codes = np.argmin(d2, axis=-1).astype(np.int64)
+        if self.tie is None or d2.size == 0:
+            return codes
+        return _with_allowed_codes(codes, _o.argmin_allowed(d2, self.tie * max(1.0, float(np.max(np.abs(d2))))))
 
     def back_transform(self, Cz, L):
         return _o.back_transform(Cz, L)
@@ -329,6 +349,7 @@ class ModelCache(OracleCache):
         self.m = model
         self._stale = np.zeros((self.B, self.n_kv, 0), np.int64)   # codes left behind by a trim that keeps them
         self._counter = 0                                          # next position used for coding
+        self._allowed = None   # (B, n_kv, T, K) near-optimal codes when the model carries them (diagnosis)
 
     def append(self, keys_post, values):
         k = self._in(keys_post, "keys_post", (self.n_kv, None, self.d))
@@ -336,11 +357,18 @@ class ModelCache(OracleCache):
         t, start = k.shape[-2], self.offset
         coding = np.arange(self._counter, self._counter + t)
         books = {"Cz": self.Cz, "L": self.L, "C": self.C}
-        codes = np.stack([np.asarray(self.m.code_keys(self.m.far_key(k[r], coding, self.inv_freqs, self.traditional),
-                                                      books), np.int64) for r in range(self.B)])
+        rows = [self.m.code_keys(self.m.far_key(k[r], coding, self.inv_freqs, self.traditional), books)
+                for r in range(self.B)]
+        codes = np.stack([np.asarray(c, np.int64) for c in rows])
         keep = min(t, max(0, self._stale.shape[-1] - start))
         if keep:
             codes[..., :keep] = self._stale[..., start:start + keep]
+        allowed = [getattr(c, "allowed", None) for c in rows]
+        if keep or any(a is None for a in allowed) or (start and self._allowed is None):
+            self._allowed = None
+        else:
+            new = np.stack(allowed)
+            self._allowed = new if start == 0 else np.concatenate([self._allowed, new], axis=2)
         if self.offset == 0:
             self._v = np.zeros(v.shape[:2] + (0, v.shape[-1]))
         self._k = np.concatenate([self._k, k], axis=2)
@@ -365,12 +393,24 @@ class ModelCache(OracleCache):
         if not self.trim_codes:
             self._stale = np.concatenate([self._c, self._stale[..., self._c.shape[-1]:]], axis=-1)
         n = super().trim(n)
+        if self._allowed is not None:
+            self._allowed = self._allowed[:, :, :self.offset]
         if self.trim_counter:
             self._counter = self.offset
         return n
 
+    def codes(self):
+        c = super().codes()
+        return c if self._allowed is None else _with_allowed_codes(c, self._out(self._allowed))
+
+    def adopt_codes(self, codes):
+        """Hold a port's codes (checked near-optimal by the caller): decode then scores them, as the suite does."""
+        c = np.asarray(codes).astype(np.int64)
+        self._c = c if self.batched else c[None]
+
     def copy(self):
         other = type(self)(self.config, self.m)
+        other._allowed = self._allowed
         other._k, other._v, other._c = self._k.copy(), self._v.copy(), self._c.copy()
         other._stale, other._counter = self._stale.copy(), self._counter
         return other

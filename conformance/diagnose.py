@@ -36,18 +36,20 @@ def _up(x):
     return x
 
 
-def replay(model: Model, calls, tie: float | None = None) -> dict[int, object]:
+def replay(model: Model, calls, tie: float | None = None, port: dict | None = None) -> dict[int, object]:
     """Outputs of ``model`` on the recorded calls: index -> result (_SKIP / _ERR where none). With ``tie``
-    (a tie margin), selections carry their allowed sets and decodes their attention over any selection."""
+    (a tie margin), selections and codes carry their allowed sets and decodes their attention over any
+    selection; with ``port`` (its recorded outputs), a cache adopts the port's codes where they are allowed,
+    so that decodes are scored with the codes the port holds (as the suite scores them)."""
     model.tie = tie
     tmp = tempfile.mkdtemp(prefix="a2ats-diagnose-")   # recorded save/load paths are placeholders (repro.py)
     try:
-        return _replay(model, calls, tmp)
+        return _replay(model, calls, tmp, port or {})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _replay(model: Model, calls, tmp: str) -> dict[int, object]:
+def _replay(model: Model, calls, tmp: str, port: dict) -> dict[int, object]:
     outs: dict[int, object] = {}
     caches: list = []
     for idx, (name, args, kwargs) in enumerate(calls):
@@ -62,12 +64,29 @@ def _replay(model: Model, calls, tmp: str) -> dict[int, object]:
                 res = getattr(caches[int(ci)], meth)(*a, **kw)
                 if meth == "load":   # a loaded cache is the next cache<i> of the recording (test_cache.CacheCalls)
                     caches.append(res)
+                if meth == "codes" and idx in port and getattr(res, "allowed", None) is not None \
+                        and _allowed_codes(port[idx], res):
+                    caches[int(ci)].adopt_codes(port[idx])
                 outs[idx] = _SKIP if meth in ("load", "save", "append") else res
             else:
                 outs[idx] = getattr(model, name)(*a, **kw)
         except Exception:  # noqa: BLE001 - a deviant that cannot run this call does not explain it
             outs[idx] = _ERR
     return outs
+
+
+def _allowed_codes(port, model_codes) -> bool:
+    """A port's codes against the model's: each in the model's near-optimal set."""
+    try:
+        c = np.asarray(port)
+    except Exception:  # noqa: BLE001
+        return False
+    allowed = model_codes.allowed
+    if c.dtype.kind not in "iu" or c.shape != allowed.shape[:-1]:
+        return False
+    if c.size and (c.min() < 0 or c.max() >= allowed.shape[-1]):
+        return False
+    return bool(np.all(np.take_along_axis(allowed, c[..., None].astype(np.int64), axis=-1)))
 
 
 def _allowed_mask(port, model_mask) -> bool:
@@ -104,6 +123,8 @@ def _same(port, other, rtol: float, atol: float):
         return _same(port[0], want, rtol, atol)
     if getattr(other, "must", None) is not None:
         return _allowed_mask(port, other)
+    if getattr(other, "allowed", None) is not None:
+        return _allowed_codes(port, other)
     if not isinstance(port, (tuple, list, np.dtype, type, np.ndarray, np.generic, int, float, bool)):
         return None   # e.g. a cache object
     if other is _ERR:
@@ -162,7 +183,7 @@ def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict) -> bool:
         return False
     tols = {i: _call_tolerance(dtype, example["clause"], calls[i][0]) for i in idx}
     for model in dev.models():
-        deviant = replay(model, calls, _tie(dtype, example["clause"]))
+        deviant = replay(model, calls, _tie(dtype, example["clause"]), port)
         explained, consistent = False, True
         for i in idx:
             rtol, atol = tols[i]
@@ -182,7 +203,7 @@ def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict) -> bool:
 
 #: bounds of one diagnosis: at most this many failing examples (the smallest), and this much time
 MAX_EXAMPLES = 10
-BUDGET_S = 30.0
+BUDGET_S = 60.0
 
 
 def _size(example: dict) -> int:
@@ -198,7 +219,7 @@ def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS, budget_s: 
     ``budget_s`` are left out (the last entry then says so, with id None)."""
     usable = sorted((e for e in examples if e.get("outputs")), key=_size)[:MAX_EXAMPLES]
     t0 = time.monotonic()
-    faithful = [replay(Model(), e["calls"], _tie(dtype, e["clause"])) for e in usable]
+    faithful = [replay(Model(), e["calls"], _tie(dtype, e["clause"]), e["outputs"]) for e in usable]
     found, skipped = [], []
     for dev in deviations:
         if time.monotonic() - t0 > budget_s:
