@@ -9,7 +9,17 @@ import json
 import pytest
 
 from a2ats_conformance.cli import main
+from a2ats_conformance.deviations import by_id
 from a2ats_conformance.mutants import COVERAGE_MUTANTS, MUTANTS
+
+#: coverage mutant -> the known deviation (conformance/deviations.py) it embodies: its failing clause must name it
+COVERAGE_CAUSES = {
+    "Float16Lut": "float16-lut",
+    "BatchRowsReadRowZero": "batch-rows-share-row-zero-selection",
+    "PositionsLowPrecision": "positions-low-precision",
+    "HostPathHeadZero": "gqa-one-head",
+    "ChunkRerotated": "chunk-keys-rerotated",
+}
 
 
 @pytest.mark.parametrize("name", sorted(COVERAGE_MUTANTS))
@@ -23,10 +33,15 @@ def test_coverage_mutant_is_rejected_on_its_clause(tmp_path, name):
     assert code == 1, f"{name} ({cls.coverage_item}: {cls.bug}) was not rejected: {verdict}"
     assert verdict["status"] == "fail"
     assert verdict["counterexample"].get("clause") == cls.expected_clause, verdict["counterexample"]
+    causes = [c["id"] for c in verdict["counterexample"].get("likely_causes") or []]
+    assert COVERAGE_CAUSES[name] in causes, (name, causes)    # diagnosis names the mutant's own bug
 
 
 def test_coverage_mutants_are_their_own_set():
     """A separate dict: tests/test_mutants.py keeps its own list; every coverage mutant names its item."""
     assert not set(COVERAGE_MUTANTS) & set(MUTANTS)
+    assert sorted(COVERAGE_CAUSES) == sorted(COVERAGE_MUTANTS)
+    for dev in COVERAGE_CAUSES.values():
+        by_id(dev)
     items = {cls.coverage_item for cls in COVERAGE_MUTANTS.values()}
     assert items == {"near ties", "CACHE-BATCH", "positions", "host selection", "CACHE-CHUNK"}
