@@ -203,6 +203,7 @@ def format_table(report: dict) -> str:
              f"{'clause':<20} {'status':<16} {'tests':>5} {'examples':>8}  note"]
     for cid, c in report["clauses"].items():
         lines.append(f"{cid:<20} {c['status']:<16} {c['tests']:>5} {c['examples']:>8}  {_note(c)}")
+        lines.extend(f"{'':<20} {line}" for line in _cause_lines(c))
     s = report["summary"]
     lines.append(", ".join(f"{k} {s[k]}" for k in STATUS_ORDER if s[k] or k in ("pass", "fail"))
                  + f"; wall {report['wall_s']} s")
@@ -211,6 +212,18 @@ def format_table(report: dict) -> str:
     for w in report.get("xfail_warnings", []):
         lines.append(f"warning (xfails file): {w}")
     return "\n".join(lines)
+
+
+def _cause_lines(c: dict) -> list[str]:
+    """A failing clause's likely causes (diagnose.py), one line each, for the terminal table."""
+    cex = c.get("counterexample") or {}
+    if c["status"] != "fail" or "likely_causes" not in cex:
+        return []
+    causes = [lc for lc in cex["likely_causes"] if isinstance(lc, dict)]
+    if not causes:
+        return ["likely cause: no known cause matched"]
+    return [f"likely cause: {lc.get('cause')} ({lc.get('matched')}/{lc.get('of')} failing examples) [{lc.get('id')}]"
+            for lc in causes]
 
 
 def _caps_line(caps) -> str:

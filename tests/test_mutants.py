@@ -35,7 +35,7 @@ def test_every_mutant_has_a_known_cause():
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
-def test_mutant_is_rejected_on_its_clause(tmp_path, name):
+def test_mutant_is_rejected_on_its_clause(tmp_path, capsys, name):
     cls = MUTANTS[name]
     out = tmp_path / "r.json"
     code = main(["--iut", f"a2ats_conformance.mutants:{name}", "--profile", "selftest", "--seed", "0", "-q",
@@ -55,3 +55,5 @@ def test_mutant_is_rejected_on_its_clause(tmp_path, name):
     assert [r["fn"] for r in rows] == [c[0] for c in calls]
     causes = cex.get("likely_causes")                          # diagnosis names the mutant's own bug first
     assert causes and causes[0]["id"] == MUTANT_CAUSES[name], (name, causes)
+    table = capsys.readouterr().out                            # the terminal table names it too
+    assert f"[{MUTANT_CAUSES[name]}]" in table and "likely cause: " in table, table
