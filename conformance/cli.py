@@ -226,6 +226,20 @@ def _cause_lines(c: dict) -> list[str]:
             for lc in causes]
 
 
+def write_reports(report: dict, a) -> None:
+    """The reports asked for on the command line (--report-json, --report-md, --junit-xml)."""
+    if a.report_json:
+        with open(a.report_json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1, default=str)
+    if a.report_md:
+        with open(a.report_md, "w", encoding="utf-8") as f:
+            f.write(format_markdown(report))
+    if a.junit_xml:
+        from .report import write_junit
+
+        write_junit(report, a.junit_xml)
+
+
 def _caps_line(caps) -> str:
     if not caps:
         return "full support"
@@ -340,16 +354,7 @@ def main(argv=None) -> int:
     for w in report["xfail_warnings"]:
         warnings.warn(f"known-deviations file {a.xfails}: {w}", XfailWarning, stacklevel=1)
     print(format_table(report))
-    if a.report_json:
-        with open(a.report_json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1, default=str)
-    if a.report_md:
-        with open(a.report_md, "w", encoding="utf-8") as f:
-            f.write(format_markdown(report))
-    if a.junit_xml:
-        from .report import write_junit
-
-        write_junit(report, a.junit_xml)
+    write_reports(report, a)
     if report["run"]["error"]:
         print(f"a2ats-conformance: {report['run']['error']}", file=sys.stderr)
     return exit_status(report)

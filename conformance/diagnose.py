@@ -19,21 +19,13 @@ import time
 import numpy as np
 
 from .deviations import DEVIATIONS, Decoded, Deviation, Model
-from .repro import fill_placeholder
+from .repro import fill_placeholder, to_float64 as _up
 from .tolerances import tie_margin, tolerance
 
 __all__ = ["diagnose", "help_lines", "replay"]
 
 _SKIP = object()   # a call whose result is not compared (cache objects, append's None)
 _ERR = object()    # the model raised: it cannot explain that call
-
-
-def _up(x):
-    if isinstance(x, np.ndarray) and x.dtype.kind == "f":
-        return x.astype(np.float64)
-    if isinstance(x, dict):
-        return {k: _up(v) for k, v in x.items()}
-    return x
 
 
 def replay(model: Model, calls, tie: float | None = None, port: dict | None = None) -> dict[int, object]:

@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     p.add_argument("--iut", default=None, metavar="module:object",
                    help="first write ANSWERS_DIR by running this Python adapter on the vectors, then grade")
     a = p.parse_args(argv)
-    from .cli import exit_status, format_markdown, format_table
+    from .cli import exit_status, format_table, write_reports
 
     try:
         if a.iut:
@@ -304,16 +304,7 @@ def main(argv=None) -> int:
         print(f"a2ats-conformance grade: {exc}", file=sys.stderr)
         return 2
     print(format_table(report))
-    if a.report_json:
-        with open(a.report_json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1, default=str)
-    if a.report_md:
-        with open(a.report_md, "w", encoding="utf-8") as f:
-            f.write(format_markdown(report))
-    if a.junit_xml:
-        from .report import write_junit
-
-        write_junit(report, a.junit_xml)
+    write_reports(report, a)
     return exit_status(report)
 
 

@@ -59,11 +59,12 @@ def _as_results(x):
     return list(x) if isinstance(x, tuple) else [x]
 
 
-def _up(x):
+def to_float64(x):
+    """Float arrays (also inside a config dict) in float64, as the oracle takes them; the rest unchanged."""
     if isinstance(x, np.ndarray) and x.dtype.kind == "f":
         return x.astype(np.float64)
     if isinstance(x, dict):
-        return {k: _up(v) for k, v in x.items()}
+        return {k: to_float64(v) for k, v in x.items()}
     return x
 
 
@@ -139,7 +140,7 @@ def replay(path: str, iut: str, out=sys.stdout) -> list[dict]:
             row = {"fn": name}
             got, row["iut_error"] = _run(_target(adapter, ports, name), args, kwargs)
             want, row["oracle_error"] = _run(_target(_OracleSide(), models, name, oracle_dir=tmp),
-                                             tuple(_up(a) for a in args), {k2: _up(v) for k2, v in kwargs.items()})
+                                             tuple(to_float64(a) for a in args), {k2: to_float64(v) for k2, v in kwargs.items()})
             _created(name, got, ports)
             _created(name, want, models)
             diffs = []
