@@ -214,7 +214,7 @@ MUTANTS = {cls.__name__: cls for cls in (
 
 # --------------------------------------------------------------------------- coverage mutants (issue 9, item 7)
 # Bugs the suite of commit 1cf8c61 never reached: each names the coverage item whose property kills it
-# (tests/test_coverage_mutants.py proves the kill; notes/9-coverage.md records that the old suite missed it).
+# (tests/test_coverage_mutants.py proves the kill, and its docstring says how the old suite was shown to miss it).
 
 class Float16Lut(Mutant):
     expected_clause = "RET-DECODE"
