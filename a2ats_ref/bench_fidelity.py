@@ -184,7 +184,6 @@ class Book:
 def fit_books(model, meta, prof, b):
     """Query-aware and plain codebooks per evaluated layer, from the same calibration keys."""
     ids = _TOK.encode(calib_text(prof["calib_tokens"] * 8))[: prof["calib_tokens"]]
-    pos = np.arange(len(ids))
     books = {}
     chunk = 2048
     qs, ks = [], []
@@ -259,14 +258,17 @@ def score_and_recall(model, meta, prof, books, b, w, sinks):
 # --------------------------------------------------------------------------- ppl + passkey
 
 
-class _CompressionOnly:
-    """Attention wrapper: decode steps see reconstructed keys R_j ĉ_j (VeloxQuant-style), prefill is dense."""
+class _QuantizedKeys:
+    """Decode steps attend over codeword keys ĉ_j R_j (codeword of the de-rotated key, rotated back to its
+    position j): every key (far_only=False, today's VeloxQuant-style baseline) or only
+    the far ones, window and sinks kept exact (far_only=True, the faithful compression-only baseline).
+    Prefill is dense. Values are never quantized."""
 
-    def __init__(self, model, meta, books_full):
+    def __init__(self, model, meta, books_full, *, far_only, w, sinks):
         import mlx_lm.models.llama as llama
         self.llama, self.meta, self.books = llama, meta, books_full
-        self.layer_of = {}
-        self.codes = {}
+        self.far_only, self.w, self.sinks = far_only, w, sinks
+        self.layer_of, self.codes = {}, {}
 
     def __enter__(self):
         orig = self.original = self.llama.scaled_dot_product_attention
@@ -279,12 +281,16 @@ class _CompressionOnly:
             T = keys.shape[2]
             have = self.codes.get(li)
             start = 0 if have is None else have.shape[-1]
-            pos = np.arange(start, T)
-            kpre = _rot(keys[0, :, start:].astype(mx.float32), -pos, meta)
+            kpre = _rot(keys[0, :, start:].astype(mx.float32), -np.arange(start, T), meta)
             new = self.books[li].assign(kpre)
             self.codes[li] = new if have is None else mx.concatenate([have, new], axis=-1)
             ck = mx.take_along_axis(self.books[li].C, self.codes[li][..., None], axis=1)
             khat = _rot(ck, np.arange(T), meta)[None].astype(keys.dtype)
+            if self.far_only:
+                near = np.zeros(T, bool)
+                near[:min(self.sinks, T)] = True
+                near[max(T - self.w, 0):] = True
+                khat = mx.where(mx.array(near)[None, None, :, None], keys, khat)
             return orig(queries, khat, values, cache, scale=scale, mask=mask)
 
         self.llama.scaled_dot_product_attention = sdpa
@@ -322,7 +328,7 @@ def perplexity(model, meta, prof, books_full, cfg):
     for kind in ("dense", "a2ats", "compression_only"):
         _log(f"  ppl {kind}")
         cache = _caches(model, kind, books_full, cfg)
-        ctx = _CompressionOnly(model, meta, books_full) if kind == "compression_only" else nullcontext()
+        ctx = _QuantizedKeys(model, meta, books_full, far_only=False, w=0, sinks=0) if kind == "compression_only" else nullcontext()
         with ctx:
             _prefill(model, cache, ids[:P])
             nll = []
@@ -357,7 +363,7 @@ def passkey(model, meta, prof, books_full, cfg):
         case = {"depth": depth, "key": key}
         for kind in ("dense", "a2ats", "compression_only"):
             cache = _caches(model, kind, books_full, cfg)
-            ctx = _CompressionOnly(model, meta, books_full) if kind == "compression_only" else nullcontext()
+            ctx = _QuantizedKeys(model, meta, books_full, far_only=False, w=0, sinks=0) if kind == "compression_only" else nullcontext()
             with ctx:
                 _prefill(model, cache, ids)
                 for t in question:                      # decoded one by one: goes through retrieval
@@ -708,48 +714,6 @@ def retrieval_vs_compression(model, meta, prof, books, b, w, sinks, K):
         out.append({"context_tokens": T, "layers": meta["n_layers"], "probes": probes.tolist(),
                     "rows": {name: {kk: float(np.mean(vv_)) for kk, vv_ in a.items()} for name, a in acc.items()}})
     return out
-
-
-class _QuantizedKeys:
-    """Decode steps attend over codeword keys ĉ_j R_j (codeword of the de-rotated key, rotated back to its
-    position j): every key (far_only=False, today's VeloxQuant-style baseline, as _CompressionOnly) or only
-    the far ones, window and sinks kept exact (far_only=True, the faithful compression-only baseline).
-    Prefill is dense. Values are never quantized."""
-
-    def __init__(self, model, meta, books_full, *, far_only, w, sinks):
-        import mlx_lm.models.llama as llama
-        self.llama, self.meta, self.books = llama, meta, books_full
-        self.far_only, self.w, self.sinks = far_only, w, sinks
-        self.layer_of, self.codes = {}, {}
-
-    def __enter__(self):
-        orig = self.original = self.llama.scaled_dot_product_attention
-        meta = self.meta
-
-        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-            li = self.layer_of.setdefault(id(cache), len(self.layer_of))
-            if queries.shape[2] != 1:
-                return orig(queries, keys, values, cache, scale=scale, mask=mask)
-            T = keys.shape[2]
-            have = self.codes.get(li)
-            start = 0 if have is None else have.shape[-1]
-            kpre = _rot(keys[0, :, start:].astype(mx.float32), -np.arange(start, T), meta)
-            new = self.books[li].assign(kpre)
-            self.codes[li] = new if have is None else mx.concatenate([have, new], axis=-1)
-            ck = mx.take_along_axis(self.books[li].C, self.codes[li][..., None], axis=1)
-            khat = _rot(ck, np.arange(T), meta)[None].astype(keys.dtype)
-            if self.far_only:
-                near = np.zeros(T, bool)
-                near[:min(self.sinks, T)] = True
-                near[max(T - self.w, 0):] = True
-                khat = mx.where(mx.array(near)[None, None, :, None], keys, khat)
-            return orig(queries, khat, values, cache, scale=scale, mask=mask)
-
-        self.llama.scaled_dot_product_attention = sdpa
-        return self
-
-    def __exit__(self, *exc):
-        self.llama.scaled_dot_product_attention = self.original
 
 
 def _copy_caches(caches):
