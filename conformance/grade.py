@@ -210,31 +210,32 @@ def grade_cases(vectors_dir: str, answers_dir: str, dtype: str | None = None) ->
         why = _not_applicable(c, caps)
         results[c["id"]] = (dict(clauses=[c["clause"]], examples=1, function=c["function"], outcome="not-applicable",
                                  reason=why) if why else g.grade_call(c))
-    answered_fns = {r["function"] for r in results.values() if r["outcome"] != "missing"}
-    for cid, r in results.items():
-        if r["outcome"] == "missing":
-            if r["function"] in answered_fns:
-                r.update(outcome="fail", message=f"{cid}: no answer, though the port answered other "
-                         f"{r['function']} cases (VECTORS.md names every file)")
-            else:
-                r.update(outcome="not-implemented", reason=f"not-implemented: no answers for {r['function']}")
+    _settle_missing(results, {cid: r["function"] for cid, r in results.items()},
+                    "{id}: no answer, though the port answered other {group} cases (VECTORS.md names every file)",
+                    "not-implemented: no answers for {group}")
     traces = {}
     for t in manifest["traces"]:
         why = _not_applicable(t, caps)
         traces[t["id"]] = (dict(clauses=[t["clause"]], examples=1, outcome="not-applicable", reason=why) if why
                            else grade_trace(t, g))
-    answered = {t["clause"] for t in manifest["traces"] if traces[t["id"]]["outcome"] != "missing"}
-    for t in manifest["traces"]:
-        r = traces[t["id"]]
-        if r["outcome"] == "missing":
-            if t["clause"] in answered:
-                r.update(outcome="fail", message=f"{t['id']}: no answers, though the port answered other "
-                         f"{t['clause']} traces")
-            else:
-                r.update(outcome="not-implemented", reason=f"not-implemented: no answers to {t['clause']} traces")
+    _settle_missing(traces, {t["id"]: t["clause"] for t in manifest["traces"]},
+                    "{id}: no answers, though the port answered other {group} traces",
+                    "not-implemented: no answers to {group} traces")
     results.update(traces)
     results["__unused__"] = sorted(g.files - g.used)
     return results
+
+
+def _settle_missing(results: dict, group: dict, fail_msg: str, not_impl: str) -> None:
+    """A missing answer fails when the port answered other cases of its group (a function, or a trace's
+    clause), else the whole group reads not-implemented."""
+    answered = {group[i] for i, r in results.items() if r["outcome"] != "missing"}
+    for i, r in results.items():
+        if r["outcome"] == "missing":
+            if group[i] in answered:
+                r.update(outcome="fail", message=fail_msg.format(id=i, group=group[i]))
+            else:
+                r.update(outcome="not-implemented", reason=not_impl.format(group=group[i]))
 
 
 def grade(vectors_dir: str, answers_dir: str, dtype: str | None = None) -> dict:
