@@ -463,7 +463,7 @@ def markdown(res: dict) -> str:
 # the package's EQ-17 k-means (k-means++, pruned Lloyd) takes minutes per head at K = 4096 and N = 81,920.
 
 AUTHORS_PROFILES = {
-    "authors": dict(text_tokens=65536, uuid_tokens=16384, max_len=16384, K=4096, steps=3, packing="documents",
+    "authors": dict(text_tokens=65536, uuid_tokens=16384, max_len=16384, K=4096, steps=10, packing="documents",
                     plain_layers=(0, 5, 10, 15, 20, 25, 29), recall_ctx=8192, probes=12, budgets=(0.01, 0.02, 0.03, 0.05, 0.1),
                     b_sweep=(0, 64, 256, 512, 1024, 2048, 4096, 8192), rc_ctx=(2048, 8192), ctxs=(2048, 4096, 8192),
                     ppl_tokens=32, answer_tokens=8, depths=(0.1, 0.3, 0.5, 0.7, 0.9), pack_compare=dict(text_tokens=16384, uuid_tokens=4096,
