@@ -214,20 +214,41 @@ def _gather_blocks(S: int, BH: int, d: int) -> list[tuple[int, int]]:
     return [(s, min(s + width, S)) for s in range(0, S, width)]
 
 
+_LANES: dict = {}
+
+
+def _lanes() -> tuple:
+    """Streams the attention step spreads its gather blocks over: two on the CPU, the default one elsewhere.
+
+    MLX runs each CPU op on one thread, and a float16 -> float32 cast costs about 1 ns per element there
+    (software conversion): two CPU streams convert (and gather) alternate blocks on both cores. A GPU keeps
+    one stream (its ops are parallel already).
+    """
+    dev = mx.default_device()
+    key = str(dev)
+    if key not in _LANES:
+        first = mx.default_stream(dev)
+        _LANES[key] = (first, mx.new_stream(dev)) if dev.type == mx.cpu else (first,)
+    return _LANES[key]
+
+
 @lru_cache(maxsize=64)
-def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F):
+def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes=(None,)):
     """Compiled: gather the selected rows of the cache buffer, exact float32 softmax attention.
 
     Rows are gathered in the cache dtype and cast to float32 block by block (_gather_blocks): the logits
     of all blocks are one small (BH, G, S) array, so the softmax is exact over the whole selection, and
     p @ V is summed over the same blocks. No buffer proportional to the selection's K/V bytes is made.
+    lanes: the streams (_lanes()) block j runs on is lanes[j % len(lanes)]; each lane keeps its own partial
+    sum of p @ V, added at the end.
     """
     G = n_q // n_kv
     BH = B * n_kv
     row_base = mx.arange(BH, dtype=mx.int32)[:, None] * T_buf   # flat row of token 0 of each (b, kv)
+    n_lanes = len(lanes)
 
-    def rows_f32(buf, rows, width):
-        return mx.take(buf, rows.reshape(-1), axis=0).reshape(BH, -1, width).astype(mx.float32)
+    def rows_f32(buf, rows, width, s):
+        return mx.take(buf, rows.reshape(-1), axis=0, stream=s).reshape(BH, -1, width).astype(mx.float32, stream=s)
 
     def attend(q, keys, values, idx, keep, forced_idx, scale):
         if F:
@@ -235,23 +256,28 @@ def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F):
             keep = mx.concatenate([mx.ones((BH, F), dtype=mx.bool_), keep], axis=-1)
         rows = idx + row_base
         kflat, vflat = keys.reshape(-1, d), values.reshape(-1, dv)
-        qf = q.reshape(BH, G, d).astype(mx.float32) * scale
+        qT = (q.reshape(BH, G, d).astype(mx.float32) * scale).swapaxes(-1, -2)
         blocks = _gather_blocks(rows.shape[-1], BH, max(d, dv))
-        # mx.depends orders the blocks: block j is gathered only after block j-1 has been used, so one block
-        # is alive at a time (MLX would otherwise be free to gather every block first).
-        logits, prev = [], None
-        for s0, s1 in blocks:
-            r = rows[:, s0:s1] if prev is None else mx.depends(rows[:, s0:s1], prev)
+        # mx.depends orders the blocks of a lane: block j is gathered only after block j - n_lanes has been
+        # used, so one block per lane is alive at a time (MLX would otherwise be free to gather every block first).
+        logits = []
+        for j, (s0, s1) in enumerate(blocks):
+            r = rows[:, s0:s1] if j < n_lanes else mx.depends(rows[:, s0:s1], logits[j - n_lanes])
+            s = lanes[j % n_lanes]
             # (S, d) @ (d, G) then transpose: faster than (G, d) @ (d, S) on CPU BLAS
-            prev = (rows_f32(kflat, r, d) @ qf.swapaxes(-1, -2)).swapaxes(-1, -2)
-            logits.append(prev)
+            logits.append(mx.matmul(rows_f32(kflat, r, d, s), qT, stream=s).swapaxes(-1, -2))
         logits = mx.concatenate(logits, axis=-1) if len(logits) > 1 else logits[0]
         p = mx.softmax(mx.where(keep[:, None, :], logits, -mx.inf), axis=-1, precise=True)
-        out = None
-        for s0, s1 in blocks:
-            r = mx.depends(rows[:, s0:s1], p if out is None else out)
-            part = p[..., s0:s1] @ rows_f32(vflat, r, dv)
-            out = part if out is None else out + part
+        sums = [None] * n_lanes
+        for j, (s0, s1) in enumerate(blocks):
+            lane, s = j % n_lanes, lanes[j % n_lanes]
+            r = mx.depends(rows[:, s0:s1], p if sums[lane] is None else sums[lane])
+            part = mx.matmul(p[..., s0:s1], rows_f32(vflat, r, dv, s), stream=s)
+            sums[lane] = part if sums[lane] is None else mx.add(sums[lane], part, stream=s)
+        out = sums[0]
+        for extra in sums[1:]:
+            if extra is not None:
+                out = out + extra
         return out.reshape(B, n_q, 1, dv).astype(values.dtype)
 
     return mx.compile(attend)
@@ -348,7 +374,7 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     else:
         idx, keep = mx.zeros((BH, 0), dtype=mx.int32), mx.zeros((BH, 0), dtype=mx.bool_)
     forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
-    fn = _attend_fn(B, n_q, n_kv, d, values.shape[-1], T_buf, len(forced))
+    fn = _attend_fn(B, n_q, n_kv, d, values.shape[-1], T_buf, len(forced), _lanes())
     out = fn(queries, keys, values, idx, keep, forced_idx, mx.array(scale, dtype=mx.float32))
     if not (return_mask or return_selection):
         return out
