@@ -45,7 +45,7 @@ from .codes import mx_code_dtype
 from .eq12_far_keys import far_keys_unchecked
 from .eq16_z_transform import assign_z_unchecked, z_space_operands
 from .eq18_back_transform import back_transform
-from .fast_decode import decode_step_fast, prepare_codebook
+from .fast_decode import code_counts, decode_step_fast, prepare_codebook
 from .retrieval import attention_scale, gqa_group
 from .rope import (applied_cos_sin, fast_rope_args, fast_rope_from_json, fast_rope_to_json, rope_params_from_module,
                    rotate_by_tables)
@@ -303,7 +303,11 @@ class A2ATSCache(_BaseCache):
         self.codes = None
         self.offset = 0
         self._coded = 0   # tokens [0, _coded) have their code in self.codes; the rest are pending
+        self._counts = None   # (B, n_kv, K) int32: code_counts of the coded tokens [0, _coded) (RET-DECODE)
         self._last_selection = None
+
+    #: decode_step_fast's selection method ("auto": chosen per device; "host", "mlx", "sortfree" force one)
+    select_method = "auto"
 
     #: most tokens coded in one batch (bounds the (n_kv, batch, K) distance block of a long prefill)
     CODE_BATCH_MAX = 2048
@@ -315,7 +319,7 @@ class A2ATSCache(_BaseCache):
         if self.keys is not None and prev == 0 and keys.shape[0] != self.keys.shape[0]:
             # Empty (e.g. trimmed to 0) with another batch size: start fresh buffers rather than let
             # the old ones broadcast the new batch into the wrong shape. Nothing cached is lost.
-            self.keys = self.values = self.codes = None
+            self.keys = self.values = self.codes = self._counts = None
             self._coded = 0
         if self.keys is None or prev + t > self.keys.shape[2]:
             self._grow(keys, values, prev, t)
@@ -330,6 +334,7 @@ class A2ATSCache(_BaseCache):
         """Make sure tokens [0, upto) have codes: if any is pending, code every pending token (one batch).
 
         Codes read the cached post-RoPE keys at their own positions (EQ-12, EQ-16), exactly as on append.
+        The per-code counts gain the new batch's codes.
         """
         if self._coded >= min(upto, self.offset):
             return
@@ -338,7 +343,15 @@ class A2ATSCache(_BaseCache):
             self.codes[..., s:e] = assign_codes(self.keys[..., s:e, :], mx.arange(s, e), self.codebook,
                                                 self.inv_freqs, traditional=self.traditional,
                                                 fast_rope=self.fast_rope)
+        self._count_codes(self._coded, self.offset, +1)
         self._coded = self.offset
+
+    def _count_codes(self, s: int, e: int, sign: int) -> None:
+        """Add (sign +1) or remove (-1) the codes of tokens [s, e) to the per-code counts."""
+        if self._counts is None:
+            self._counts = mx.zeros(self.codes.shape[:2] + (self.codebook.K,), dtype=mx.int32)
+        if e > s:
+            self._counts = self._counts + sign * code_counts(self.codes[..., s:e], self.codebook.K)
 
     def _grow(self, keys, values, prev, t):
         B, n_kv, _, dk = keys.shape
@@ -408,7 +421,9 @@ class A2ATSCache(_BaseCache):
             raise ValueError(f"trim: n must be a non-negative int (tokens to drop from the end), got {n!r}")
         n = min(self.offset, int(n))
         self.offset -= n
-        self._coded = min(self._coded, self.offset)
+        if self._coded > self.offset:
+            self._count_codes(self.offset, self._coded, -1)
+            self._coded = self.offset
         self._last_selection = None
         return n
 
@@ -435,7 +450,7 @@ class A2ATSCache(_BaseCache):
     @state.setter
     def state(self, v):
         if v is None or len(v) == 0:
-            self.keys = self.values = self.codes = None
+            self.keys = self.values = self.codes = self._counts = None
             self.offset = self._coded = 0
             return
         keys, values, codes = v
@@ -446,6 +461,7 @@ class A2ATSCache(_BaseCache):
             )
         self.keys, self.values, self.codes = keys, values, codes
         self.offset = self._coded = keys.shape[2]
+        self._counts = code_counts(codes, self.codebook.K)   # recounted, not saved: the file format is unchanged
         self._last_selection = None
 
     @property
@@ -513,7 +529,8 @@ class A2ATSCache(_BaseCache):
             queries, self.keys, self.values, self.codes, cb.CT, query_pos=self.offset - 1, b=cfg.b, w=cfg.w,
             sinks=cfg.sinks, topk=cfg.topk, inv_freqs=self.inv_freqs, traditional=self.traditional,
             scale=attention_scale(scale, cb.head_dim), n_tokens=self.offset, return_selection=True,
-            applied_angle=self._query_angle(),
+            applied_angle=self._query_angle(), method=self.select_method,
+            code_counts=None if self._counts is None else (self._counts, self._coded),
         )
         return out
 

@@ -42,6 +42,8 @@ __all__ = ["prepare_codebook", "decode_step_fast", "Selection", "selection_size"
 #: CPU only: on a GPU the host path costs a device->host copy of the LUT and is 6-9x slower (H200)
 HOST_SELECT_MIN = 32768
 
+METHODS = ("auto", "host", "mlx", "sortfree")
+
 
 #: set A2ATS_TUNE_ALLOCATOR=0 to keep glibc's malloc thresholds as they are (enable_a2ats then leaves them)
 TUNE_ALLOCATOR_ENV = "A2ATS_TUNE_ALLOCATOR"
@@ -49,9 +51,11 @@ _allocator_tuned: bool | None = None   # None: not asked yet in this process
 
 
 def auto_method(n_candidates: int) -> str:
-    """method="auto": host selection from HOST_SELECT_MIN candidates on the CPU; in-graph on any other device."""
-    on_cpu = mx.default_device().type == mx.cpu
-    return "host" if on_cpu and n_candidates >= HOST_SELECT_MIN else "mlx"
+    """method="auto": on the CPU, host selection from HOST_SELECT_MIN candidates, else in-graph argpartition
+    (both tuned there); on any other device the sort-free in-graph step (no CPU-tuned number decides it)."""
+    if mx.default_device().type != mx.cpu:
+        return "sortfree"
+    return "host" if n_candidates >= HOST_SELECT_MIN else "mlx"
 
 
 def tune_allocator() -> bool:
@@ -202,6 +206,104 @@ def _select_host(lut, codes, *, BH, G, K, kk, c0, c1, bucket):
     return mx.array(idx), mx.array(keep)
 
 
+def code_counts(codes: mx.array, K: int) -> mx.array:
+    """Codes (..., n_kv, t) -> (..., n_kv, K) int32: how many of the t tokens hold each code, per KV head.
+
+    The cache keeps these for its coded tokens (added when a batch is coded, subtracted on trim, recounted on
+    load), so the sort-free step never counts T codes. Integer scatter-add: exact on every backend.
+    """
+    lead, t = codes.shape[:-1], codes.shape[-1]
+    rows = math.prod(lead)
+    flat = codes.reshape(rows, t).astype(mx.int32) + (mx.arange(rows, dtype=mx.int32) * K)[:, None]
+    counts = mx.zeros((rows * K,), dtype=mx.int32).at[flat.reshape(-1)].add(mx.array(1, dtype=mx.int32))
+    return counts.reshape(*lead, K)
+
+
+def sortfree_threshold(lut: mx.array, counts: mx.array, kk: mx.array) -> mx.array:
+    """The kk-th largest candidate score of each query head, from the K code scores and the code counts.
+
+    lut (BH, G, K) code scores, counts (BH, K) candidate tokens per code, kk (int32 scalar, 1..#candidates)
+    -> (BH, G, 1): walk the codes from the highest score down, summing their counts, and stop at the first
+    code where the sum reaches kk. Sorts K scores, never T tokens.
+    """
+    order = mx.argsort(-lut, axis=-1)
+    cum = mx.cumsum(mx.take_along_axis(mx.broadcast_to(counts[:, None, :], lut.shape), order, axis=-1), axis=-1)
+    pos = mx.minimum(mx.sum(cum < kk, axis=-1, keepdims=True), lut.shape[-1] - 1)
+    return mx.take_along_axis(mx.take_along_axis(lut, order, axis=-1), pos, axis=-1)
+
+
+def sortfree_code_levels(lut: mx.array, counts: mx.array, kk: mx.array):
+    """Per KV head and code: 1 = must be gathered, 2 = may be gathered (a tie at a head's threshold), 0 = not.
+
+    A head whose codes at or above its threshold hold exactly kk candidates takes them all (level 1). A head
+    whose threshold code holds more ties than it needs takes the codes strictly above (level 1, fewer than
+    kk tokens) and the whole tied bucket as level 2: every tied token is in RET-SELECT's `may` (score >= the
+    kk-th largest), none is in its `must` (the (kk+1)-th largest has the same score). The GQA union is an
+    `any` over the group. Returns (levels (BH, K) uint8, n1 (BH,), n2 (BH,)): n1 level-1 tokens (at most
+    G·kk, so a buffer of G·kk slots never drops one), n2 level-2 tokens.
+    """
+    thr = sortfree_threshold(lut, counts, kk)
+    ge = lut >= thr
+    n_ge = mx.sum(mx.where(ge, counts[:, None, :], 0), axis=-1, keepdims=True)
+    must = (lut > thr) | (ge & (n_ge == kk))
+    lvl1 = mx.any(must, axis=1)
+    lvl2 = mx.any(ge, axis=1) & ~lvl1
+    n1 = mx.sum(mx.where(lvl1, counts, 0), axis=-1)
+    n2 = mx.sum(mx.where(lvl2, counts, 0), axis=-1)
+    levels = lvl1.astype(mx.uint8) + 2 * lvl2.astype(mx.uint8)
+    return levels, n1, n2
+
+
+#: spare slots (a power of two) that unselected tokens are scattered to, spread so no slot takes many writes
+SORTFREE_SPILL = 1024
+
+
+def sortfree_width(kk: int, G: int, K: int, n_cand: int, step: int = 256) -> int:
+    """Static slot count S of the sort-free step's index list (rounded up to `step`, so a compiled step
+    serves many tokens): G·kk holds every level-1 token; 2·G·ceil(n_cand/K) more hold typical tie buckets
+    (level 2, which may be cut at the end: dropped tokens are only ever optional ones)."""
+    want = min(G * kk + 2 * G * -(-n_cand // K), n_cand)
+    return max(step, -(-want // step) * step)
+
+
+def _sortfree_select(lut, codes, counts, kk, c0, c1, *, BH, T_codes, S):
+    """Compaction: the selected candidates' indices in index order, level 1 first, into S slots.
+
+    Each candidate's slot is a prefix count of its level (one cumsum over T of both levels at once), then one
+    scatter writes token indices to their slots; unselected and overflowing tokens go to spill slots past S.
+    Returns idx (BH, S) int32 and keep (BH, S) bool (slots past the selection are padding)."""
+    levels, n1, n2 = sortfree_code_levels(lut, counts, kk)
+    j = mx.arange(T_codes, dtype=mx.int32)
+    lv = mx.take_along_axis(levels, codes.reshape(BH, T_codes), axis=-1)
+    lv = mx.where((j >= c0) & (j < c1), lv, 0)
+    rank = mx.cumsum(mx.stack([lv == 1, lv == 2]).astype(mx.int32), axis=-1)
+    slot = mx.where(lv == 1, rank[0] - 1, mx.where(lv == 2, n1[:, None] + rank[1] - 1, S))
+    slot = mx.where(slot < S, slot, S + (j & (SORTFREE_SPILL - 1)))
+    buf = mx.zeros((BH, S + SORTFREE_SPILL), dtype=mx.int32)
+    idx = mx.put_along_axis(buf, slot, mx.broadcast_to(j[None], (BH, T_codes)), axis=-1)[:, :S]
+    keep = mx.arange(S, dtype=mx.int32)[None] < mx.minimum(n1 + n2, S)[:, None]
+    return idx, keep
+
+
+def _candidate_counts(codes, counts, c0, c1, counted, *, BH, K, T_codes, sinks, w):
+    """Counts of the candidates [c0, c1) from counts over the coded tokens [0, counted), c1 <= counted <= c1 + w:
+    minus the sinks [0, c0) (c0 <= sinks) and the coded window tail [c1, counted). Touches sinks + w codes."""
+    p = mx.concatenate([mx.arange(sinks, dtype=mx.int32), c1 + mx.arange(w, dtype=mx.int32)])
+    drop = mx.concatenate([mx.arange(sinks) < c0, mx.arange(w) < counted - c1]).astype(mx.int32)
+    at = mx.take(codes.reshape(BH, T_codes), mx.minimum(p, T_codes - 1), axis=-1).astype(mx.int32)
+    rows = mx.broadcast_to(mx.arange(BH, dtype=mx.int32)[:, None], at.shape)
+    return counts.reshape(BH, K).at[rows, at].add(-mx.broadcast_to(drop[None], at.shape))
+
+
+def _counts_from_codes(codes, c0, c1, *, BH, K, T_codes):
+    """Candidate counts by one scatter-add over the whole code buffer (callers without kept counts)."""
+    j = mx.arange(T_codes, dtype=mx.int32)
+    c = codes.reshape(BH, T_codes).astype(mx.int32)
+    rows = mx.broadcast_to(mx.arange(BH, dtype=mx.int32)[:, None], c.shape)
+    add = mx.broadcast_to(((j >= c0) & (j < c1)).astype(mx.int32)[None], c.shape)
+    return mx.zeros((BH, K), dtype=mx.int32).at[rows, c].add(add)
+
+
 #: bytes of float32 rows gathered per block in the attention step. Blocks this small come back from MLX's
 #: own buffer cache (32 MiB by default on CPU) step after step, so the step neither maps nor page-faults
 #: fresh memory, whatever glibc's malloc thresholds are, and a block's rows are still in cache when reused.
@@ -283,6 +385,30 @@ def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes=(None,)):
     return mx.compile(attend)
 
 
+@lru_cache(maxsize=64)
+def _sortfree_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional, scale, tables, kept, sinks, w):
+    """Compiled: the whole sort-free decode step, LUT -> threshold -> compaction -> gather -> attention.
+
+    One graph, no host round trip: the token count kk, the candidate range and the coded count enter as
+    data; S (slots) and F (forced tokens) are static. kept: counts over the coded tokens [0, counted) come
+    from the caller (the cache keeps them), else they are counted here from the codes.
+    """
+    BH, G = B * n_kv, n_q // n_kv
+    lut_fn = _lut_fn(B, n_kv, G, d, K, traditional, scale, tables)
+    attend = _attend_fn(B, n_q, n_kv, d, dv, T_buf, F)
+
+    def step(queries, keys, values, codes, CT, inv, b, pos, counts, kk, c0, c1, counted, forced_idx, scale_arr):
+        lut = lut_fn(queries, CT, inv, b, pos)
+        if kept:
+            cand = _candidate_counts(codes, counts, c0, c1, counted, BH=BH, K=K, T_codes=T_codes, sinks=sinks, w=w)
+        else:
+            cand = _counts_from_codes(codes, c0, c1, BH=BH, K=K, T_codes=T_codes)
+        idx, keep = _sortfree_select(lut, codes, cand, kk, c0, c1, BH=BH, T_codes=T_codes, S=S)
+        return attend(queries, keys, values, idx, keep, forced_idx, scale_arr), idx, keep
+
+    return mx.compile(step)
+
+
 class Selection(NamedTuple):
     """The token set one decode step attended to, kept lazily (building the mask costs O(T)).
 
@@ -311,7 +437,7 @@ class Selection(NamedTuple):
 def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int, w: int, sinks: int, topk,
                      inv_freqs, traditional: bool, scale: float | None = None, n_tokens: int | None = None,
                      return_mask: bool = False, return_selection: bool = False, method: str = "auto",
-                     bucket: int = 256, applied_angle=None):
+                     bucket: int = 256, applied_angle=None, code_counts=None):
     """One A2ATS decode-attention step (RET-DECODE), mlx-lm layout.
 
     queries (B, n_q, 1, d) post-RoPE at position ``query_pos``; keys/values (B, n_kv, T_buf, d|dv) post-RoPE
@@ -323,6 +449,11 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     Shapes and parameters are checked in pure Python (no host sync).
     applied_angle: optional (cos, sin) (d/2,) of the angle the model's mx.fast.rope gave the query (the cache
     passes it, from rope.applied_cos_sin); without it the query is de-rotated by query_pos * inv_freqs.
+    method: "host" (NumPy top-k), "mlx" (in-graph argpartition), "sortfree" (in-graph threshold from code
+    counts, one compiled graph per step) or "auto" (auto_method). code_counts: optional (counts (B, n_kv, K)
+    int32 = code_counts(codes[..., :counted]), counted) kept by the caller; "sortfree" then reads only the
+    sinks + w codes it corrects them by instead of counting all codes (used when counted lies in
+    [n - w, n], as in the cache after its pending codes are assigned).
     """
     if queries.ndim != 4 or queries.shape[2] != 1:
         raise ValueError(f"queries: expected (B, n_q, 1, d), got shape {tuple(queries.shape)}")
@@ -358,6 +489,13 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     BH, G, K = B * n_kv, n_q // n_kv, CT.shape[-1]
     if method == "auto":
         method = auto_method(c1 - c0)
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
+    if method == "sortfree" and kk > 0:
+        return _decode_sortfree(queries, keys, values, codes, CT, inv, i=i, b=b, kk=kk, c0=c0, c1=c1, forced=forced,
+                                w=int(w), sinks=int(sinks), scale=scale, traditional=bool(traditional),
+                                n_tokens=n_tokens, applied_angle=applied_angle, code_counts=code_counts,
+                                return_mask=return_mask, return_selection=return_selection)
     if kk > 0:
         f32 = mx.float32
         tables = applied_angle is not None
@@ -367,15 +505,45 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
         if method == "host":
             mx.eval(lut)
             idx, keep = _select_host(lut, codes, BH=BH, G=G, K=K, kk=kk, c0=c0, c1=c1, bucket=bucket)
-        elif method == "mlx":
-            idx, keep = _select_mlx_fn(BH, G, K, kk, codes.shape[-1])(lut, codes, mx.array(c0), mx.array(c1))
         else:
-            raise ValueError(f"method: expected 'host' or 'mlx', got {method!r}")
+            idx, keep = _select_mlx_fn(BH, G, K, kk, codes.shape[-1])(lut, codes, mx.array(c0), mx.array(c1))
     else:
         idx, keep = mx.zeros((BH, 0), dtype=mx.int32), mx.zeros((BH, 0), dtype=mx.bool_)
     forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
     fn = _attend_fn(B, n_q, n_kv, d, values.shape[-1], T_buf, len(forced), _lanes())
     out = fn(queries, keys, values, idx, keep, forced_idx, mx.array(scale, dtype=mx.float32))
+    if not (return_mask or return_selection):
+        return out
+    sel = Selection(idx, keep, forced_idx, (B, n_kv, n_tokens))
+    return out, (sel if return_selection else sel.mask())
+
+
+def _decode_sortfree(queries, keys, values, codes, CT, inv, *, i, b, kk, c0, c1, forced, w, sinks, scale, traditional,
+                     n_tokens, applied_angle, code_counts, return_mask, return_selection):
+    """decode_step_fast's method="sortfree" (kk > 0): the arguments are checked; one compiled call."""
+    B, n_q, _, d = queries.shape
+    _, n_kv, T_buf, _ = keys.shape
+    K, T_codes, n = CT.shape[-1], codes.shape[-1], i + 1
+    kept = False
+    if code_counts is not None:
+        counts, counted = code_counts
+        if not isinstance(counts, mx.array) or counts.shape != (B, n_kv, K):
+            got = tuple(counts.shape) if isinstance(counts, mx.array) else type(counts).__name__
+            raise ValueError(f"code_counts: expected (counts ({B}, {n_kv}, {K}) int32, counted), got {got}")
+        counted = int(counted)
+        kept = c1 <= counted <= c1 + w and counted <= n   # else the correction would touch more than w codes
+    if not kept:
+        counts, counted = mx.zeros((B, n_kv, K), dtype=mx.int32), 0
+    f32, i32 = mx.float32, mx.int32
+    tables = applied_angle is not None
+    pos = mx.stack(list(applied_angle)) if tables else mx.array(float(i), f32)
+    S = sortfree_width(kk, n_q // n_kv, K, c1 - c0)
+    fn = _sortfree_step_fn(B, n_q, n_kv, d, values.shape[-1], K, T_buf, T_codes, S, len(forced), traditional,
+                           scale, tables, kept, sinks, w)
+    forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
+    out, idx, keep = fn(queries, keys, values, codes, CT, inv.astype(f32), mx.array(float(b), f32), pos,
+                        counts.astype(i32), mx.array(kk, i32), mx.array(c0, i32), mx.array(c1, i32),
+                        mx.array(counted, i32), forced_idx, mx.array(scale, dtype=f32))
     if not (return_mask or return_selection):
         return out
     sel = Selection(idx, keep, forced_idx, (B, n_kv, n_tokens))

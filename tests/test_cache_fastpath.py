@@ -77,26 +77,30 @@ def _check_decode(cache, q, scale, traditional):
     return out
 
 
+@pytest.mark.parametrize("method", ["auto", "sortfree"])
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("topk", [0.1, 3, 1.0])
-def test_decode_matches_retrieval_clause_functions(traditional, topk):
+def test_decode_matches_retrieval_clause_functions(traditional, topk, method):
     rng = np.random.default_rng(1)
     inv = rope_inv_freqs(D, 10000.0)
     T = 57
     lc = quiet_codebook(1, NKV, D, K=K).layers[0]
     cfg = C.A2ATSConfig(w=6, b=300, sinks=3, topk=topk)
     cache = _seeded_cache(lc, inv, traditional, T, rng, cfg)
+    cache.select_method = method
     q = mx.array(rng.standard_normal((2, NQ, 1, D)).astype(np.float32))
     _check_decode(cache, q, 0.3, traditional)
 
 
+@pytest.mark.parametrize("method", ["auto", "sortfree"])
 @pytest.mark.parametrize("traditional", [False, True])
-def test_decode_reads_only_the_valid_prefix_of_the_buffer(traditional):
+def test_decode_reads_only_the_valid_prefix_of_the_buffer(traditional, method):
     """After appends (256-row preallocation) and a trim, rows past offset are stale and must not be read."""
     rng = np.random.default_rng(2)
     inv = rope_inv_freqs(D, 10000.0)
     lc = quiet_codebook(1, NKV, D, K=K).layers[0]
     cache = C.A2ATSCache(lc, inv, traditional, C.A2ATSConfig(w=5, b=200, sinks=2, topk=0.2))
+    cache.select_method = method
     x = mx.array(rng.standard_normal((2, NKV, 120, D)).astype(np.float32))
     cache.update_and_fetch(x, x)
     big = mx.full((2, NKV, 10, D), 1e3)
@@ -141,3 +145,46 @@ def test_codes_are_assigned_in_batches_when_tokens_leave_the_window(monkeypatch)
     assert not (must & ~sel).any() and not (sel & ~may).any(), "decode scored far tokens with stale codes"
     np.testing.assert_array_equal(np.array(cache.codes_view()), want)   # the window's pending codes too
     assert sum(calls) == 60, calls                                     # every token coded exactly once
+
+
+def _counts_ok(cache):
+    """The kept per-code counts are code_counts of the coded tokens [0, _coded)."""
+    from a2ats_ref.fast_decode import code_counts
+
+    if cache._coded == 0:
+        return cache._counts is None or not np.array(cache._counts).any()
+    want = code_counts(cache.codes[..., : cache._coded], K)
+    return np.array_equal(np.array(cache._counts), np.array(want))
+
+
+def test_code_counts_follow_coding_trim_and_load(monkeypatch, tmp_path):
+    """Per-code counts (what the sort-free step walks instead of sorting T tokens) stay the counts of the
+    coded tokens through deferred batch coding, decodes, trims into coded and pending tokens, and a
+    save/load (recounted from the codes, not stored). A trim that forgets them is caught."""
+    from a2ats_ref.cache_io import load_a2ats_cache, save_a2ats_cache
+
+    rng = np.random.default_rng(5)
+    inv = rope_inv_freqs(D, 10000.0)
+    cb = quiet_codebook(1, NKV, D, K=K)
+    cache = C.A2ATSCache(cb.layers[0], inv, False, C.A2ATSConfig(w=4, b=300, sinks=2, topk=0.2))
+    cache.select_method = "sortfree"
+    x = mx.array(rng.standard_normal((1, NKV, 70, D)).astype(np.float32))
+    cache.update_and_fetch(x[:, :, :30], x[:, :, :30])
+    history = []
+    for t in range(30, 70):
+        cache.update_and_fetch(x[:, :, t : t + 1], x[:, :, t : t + 1])
+        cache.decode(mx.array(rng.standard_normal((1, NQ, 1, D)).astype(np.float32)), scale=0.3)
+        history.append(_counts_ok(cache))
+        if t in (45, 60):
+            cache.trim(3 if t == 45 else 9)   # into pending tokens, then into coded ones
+            history.append(_counts_ok(cache))
+    assert all(history), history
+    q = mx.array(rng.standard_normal((1, NQ, 1, D)).astype(np.float32))
+    _check_decode(cache, q, 0.3, False)
+    save_a2ats_cache(str(tmp_path / "c.safetensors"), [cache])
+    (loaded,) = load_a2ats_cache(str(tmp_path / "c.safetensors"), cb)
+    assert _counts_ok(loaded) and loaded._coded == loaded.offset
+    real = C.A2ATSCache._count_codes
+    monkeypatch.setattr(C.A2ATSCache, "_count_codes", lambda self, s, e, sign: sign < 0 or real(self, s, e, sign))
+    cache.trim(20)
+    assert not _counts_ok(cache)

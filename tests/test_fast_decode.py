@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from a2ats_conformance.tolerances import tie_margin, tolerance
+import a2ats_ref.fast_decode as fd
 from a2ats_ref.fast_decode import decode_step_fast, prepare_codebook, selection_size
 from a2ats_spec import oracle
 
@@ -34,7 +35,7 @@ def _run(q, k, v, codes, C, dtype, **kw):
     return np.asarray(out.astype(mx.float32), np.float64), np.asarray(mask)
 
 
-@pytest.mark.parametrize("method", ["host", "mlx"])
+@pytest.mark.parametrize("method", ["host", "mlx", "sortfree"])
 @pytest.mark.parametrize("traditional", [True, False])
 @pytest.mark.parametrize("query_pos,topk", [(299, 0.1), (150, 0.05), (299, 7), (40, 0.5), (5, 0.1)])
 def test_selection_allowed_and_output_exact(method, traditional, query_pos, topk):
@@ -76,7 +77,7 @@ def test_batch_gqa_and_preallocated_buffer():
     k[:, :, n:] = 1e3   # garbage past n_tokens would dominate the softmax if read
     inv = oracle.rope_inv_freqs(16, 10000.0)
     kw = dict(query_pos=n - 1, b=512, w=8, sinks=2, topk=0.1, inv_freqs=inv, traditional=False)
-    for method in ("host", "mlx"):
+    for method in ("host", "mlx", "sortfree"):
         out, mask = _run(q, k, v, codes, C, "float32", n_tokens=n, method=method, **kw)
         expect = oracle.retrieval_attention(q[:, :, 0], k[:, :, :n], v[:, :, :n], mask, scale=None)
         np.testing.assert_allclose(out[:, :, 0], expect, rtol=1e-5, atol=1e-5)
@@ -130,3 +131,124 @@ def test_blocked_gather_equals_one_block(monkeypatch, dtype):
         fd._attend_fn.cache_clear()
     rtol, atol = tolerance(dtype, "RET-ATTN")
     np.testing.assert_allclose(out[:, :, 0], oracle.retrieval_attention(q[:, :, 0], k, v, mask), rtol=rtol, atol=atol)
+
+
+# --------------------------------------------------------------------------- the sort-free step
+
+def _allowed(q, codes, C, *, query_pos, topk, traditional, n_kv=2, w=16, sinks=4, b=2048, dtype="float32"):
+    inv = oracle.rope_inv_freqs(q.shape[-1], 10000.0)
+    scores = oracle.token_scores(oracle.lut_scores(
+        oracle.far_query(q[:, :, 0], b=b, inv_freqs=inv, traditional=traditional, positions=query_pos), C), codes)
+    return oracle.select_tokens_allowed(scores, n_kv_heads=n_kv, query_pos=query_pos, w=w, sinks=sinks, topk=topk,
+                                        margin=tie_margin(dtype, "RET-SELECT"))
+
+
+#: heavy code ties (K = 6 codes for 300 tokens), light ones (K = 64) and almost none (K = 1000: a threshold
+#: bucket one token wide, the only case where a threshold one code too high leaves out a must-token), GQA
+#: groups of 4, fractions and counts
+SORTFREE_CASES = [(seed, K, topk) for seed in range(2) for K in (6, 64, 1000) for topk in (0.1, 0.03, 9)]
+
+
+def _sortfree_violations(**kw):
+    """(missing must-tokens, forbidden tokens) of method="sortfree" summed over SORTFREE_CASES."""
+    missing = extra = 0
+    for seed, K, topk in SORTFREE_CASES:
+        q, k, v, codes, C = _case(seed, K=K)
+        run = dict(query_pos=299, b=2048, w=16, sinks=4, topk=topk, traditional=seed % 2 == 0)
+        _, mask = _run(q, k, v, codes, C, "float32", method="sortfree", inv_freqs=oracle.rope_inv_freqs(16, 1e4),
+                       **run, **kw)
+        must, may = _allowed(q, codes, C, query_pos=299, topk=topk, traditional=run["traditional"])
+        missing += int((must & ~mask).sum())
+        extra += int((mask & ~may).sum())
+    return missing, extra
+
+
+def test_sortfree_takes_whole_tie_buckets_inside_may():
+    """The sort-free step keeps RET-SELECT's allowed sets under heavy ties, and takes the whole bucket at
+    each head's threshold: with K = 6 codes its selection is `may` itself (every token >= the k-th score)."""
+    assert _sortfree_violations() == (0, 0)
+    q, k, v, codes, C = _case(5, K=6)
+    _, mask = _run(q, k, v, codes, C, "float32", method="sortfree", query_pos=299, b=2048, w=16, sinks=4, topk=0.1,
+                   inv_freqs=oracle.rope_inv_freqs(16, 1e4), traditional=True)
+    must, may = _allowed(q, codes, C, query_pos=299, topk=0.1, traditional=True)
+    assert (must != may).any()   # the case has ties to take
+    np.testing.assert_array_equal(mask, may)
+
+
+def _mutate(monkeypatch, name, fn):
+    monkeypatch.setattr(fd, name, fn)
+    fd._sortfree_step_fn.cache_clear()
+
+
+@pytest.fixture
+def fresh_sortfree():
+    fd._sortfree_step_fn.cache_clear()
+    yield
+    fd._sortfree_step_fn.cache_clear()
+
+
+def test_sortfree_threshold_mutants_are_caught(monkeypatch, fresh_sortfree):
+    """The allowed-set check above catches a threshold one code off either way, and a lost GQA union."""
+    real_thr, real_levels = fd.sortfree_threshold, fd.sortfree_code_levels
+
+    def thr_shift(by):
+        def thr(lut, counts, kk):
+            return real_thr(lut, counts, kk + by)   # the walk stops one token early / late
+        return thr
+
+    def first_head_only(lut, counts, kk):
+        return real_levels(mx.broadcast_to(lut[:, :1], lut.shape), counts, kk)
+
+    found = {}
+    for name, fn in [("low", ("sortfree_threshold", thr_shift(-1))), ("high", ("sortfree_threshold", thr_shift(1))),
+                     ("one-head", ("sortfree_code_levels", first_head_only))]:
+        _mutate(monkeypatch, *fn)
+        found[name] = _sortfree_violations()
+        monkeypatch.undo()
+        fd._sortfree_step_fn.cache_clear()
+    assert found["low"][0] > 0 and found["one-head"][0] > 0 and found["high"][1] > 0, found
+
+
+def test_sortfree_overflow_never_drops_a_must_token(monkeypatch, fresh_sortfree):
+    """With only G·k slots (no room for tie buckets), the optional tied tokens are the ones cut: the
+    selection stays inside the allowed sets. A single prefix count (ties ranked with the rest) is caught."""
+    monkeypatch.setattr(fd, "sortfree_width", lambda kk, G, K, n_cand, step=256: G * kk)
+    assert _sortfree_violations() == (0, 0)
+    real = fd.sortfree_code_levels
+
+    def one_level(lut, counts, kk):   # mutant: tied tokens compete with must-tokens for the slots
+        levels, n1, n2 = real(lut, counts, kk)
+        return mx.where(levels > 0, 1, 0).astype(mx.uint8), n1 + n2, mx.zeros_like(n2)
+
+    _mutate(monkeypatch, "sortfree_code_levels", one_level)
+    assert _sortfree_violations()[0] > 0
+
+
+def test_sortfree_kept_counts_equal_counting_codes():
+    """Counts kept by the caller (over the coded tokens, up to w past the candidates) give the same step as
+    counting the candidates' codes in the graph; counts outside that range fall back to counting."""
+    q, k, v, codes, C = _case(2, K=8)
+    kw = dict(query_pos=299, b=2048, w=16, sinks=4, topk=0.1, inv_freqs=oracle.rope_inv_freqs(16, 1e4),
+              traditional=False)
+    base_out, base = _run(q, k, v, codes, C, "float32", method="sortfree", **kw)
+    for counted in (300 - 16, 290, 300, 100):
+        counts = fd.code_counts(mx.array(codes[..., :counted]), 8)
+        out, mask = _run(q, k, v, codes, C, "float32", method="sortfree", code_counts=(counts, counted), **kw)
+        np.testing.assert_array_equal(mask, base)
+        np.testing.assert_array_equal(out, base_out)
+    with pytest.raises(ValueError, match="code_counts"):
+        _run(q, k, v, codes, C, "float32", method="sortfree", code_counts=(mx.zeros((1, 2, 7), mx.int32), 300), **kw)
+
+
+def test_code_counts_match_bincount():
+    codes = np.random.default_rng(0).integers(0, 37, (2, 3, 500)).astype(np.uint16)
+    got = np.array(fd.code_counts(mx.array(codes), 37))
+    want = np.stack([[np.bincount(codes[b, h], minlength=37) for h in range(3)] for b in range(2)])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_auto_picks_sortfree_off_the_cpu(monkeypatch):
+    """No CPU-tuned threshold decides a GPU path: off the CPU, auto is the sort-free step at every length."""
+    assert fd.auto_method(10) == "mlx" and fd.auto_method(fd.HOST_SELECT_MIN) == "host"
+    monkeypatch.setattr(fd.mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert fd.auto_method(10) == fd.auto_method(10 ** 6) == "sortfree"

@@ -103,6 +103,36 @@ class ReferenceAdapter:
         return ReferenceCache(config)
 
 
+class SortFreeReference(ReferenceAdapter):
+    """The reference with its runtime decode path forced to the sort-free selection (fast_decode,
+    method="sortfree"): RET-DECODE runs decode_step_fast itself and every cache decodes with it, so the
+    suite checks on any backend the path that method="auto" takes on GPUs
+    (``--iut a2ats_conformance.adapters.reference:SortFreeReference``)."""
+
+    name = "a2ats_ref (MLX reference, sort-free decode path)"
+    method = "sortfree"
+
+    def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
+                    scale=None, return_mask=False):
+        from a2ats_ref.fast_decode import decode_step_fast, prepare_codebook
+
+        if np.ndim(q_post) != 2 or np.ndim(k_post) != 3:
+            raise ValueError(f"{self.name}: decode_step takes one sequence, q_post (n_q, d) and k_post (n_kv, T, d)")
+        bf16 = self.input_dtype == "bfloat16"
+        q, k, vv = (to_mx(np.asarray(a), bf16) for a in (q_post, k_post, v))
+        out, mask = decode_step_fast(q[None, :, None, :], k[None], vv[None], mx.array(np.asarray(codes))[None],
+                                     prepare_codebook(mx.array(np.asarray(C, np.float32))), query_pos=query_pos,
+                                     b=b, w=w, sinks=sinks, topk=topk, inv_freqs=np.asarray(inv_freqs, np.float32),
+                                     traditional=traditional, scale=scale, method=self.method, return_mask=True)
+        out = to_np(out[0, :, 0, :])
+        return (out, to_np(mask[0])) if return_mask else out
+
+    def make_cache(self, config: dict):
+        cache = ReferenceCache(config)
+        cache._c.select_method = self.method
+        return cache
+
+
 class ReferenceCache:
     """NumPy view of one layer's A2ATSCache; see README-ADAPTER.md, cache protocol (batch included)."""
 
@@ -184,6 +214,7 @@ class ReferenceCache:
         lc = self._c.codebook
         cb = A2ATSCodebook(lc.Cz[None], lc.L[None])
         (cache,) = load_a2ats_cache(_st(path), cb)
+        cache.select_method = self._c.select_method
         return ReferenceCache(self.config, cache)
 
 
