@@ -144,10 +144,17 @@ def speed_markdown(res: dict) -> str:
              + (f"; GPU: {m['gpu']['name']}, {m['gpu']['memory_bytes']} bytes, MLX {m['gpu']['mlx_backend']}, "
                 f"float32 matmuls TF32: {m['gpu']['float32_matmul_tf32']}" if m.get("gpu") else ""), "",
              "## One decode attention step (one layer, batch 1)", "",
-             "| T | dtype | dense ms | A2ATS ms | speedup (median of ratios) | bytes read dense | bytes read A2ATS |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+             "A2ATS ms per selection method, each with its speedup over dense (median of per-repetition ratios); "
+             "auto = the method `auto` picks on this device. mlx: in-graph argpartition, host: NumPy, sortfree: "
+             "threshold from per-code counts.", "",
+             "| T | dtype | dense ms | auto | A2ATS ms, auto | speedup, auto | mlx | sortfree | host | "
+             "bytes read dense | bytes read A2ATS |",
+             "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["decode_step"]:
-        lines.append(f"| {r['T']} | {r['dtype']} | {r['dense_ms']:.2f} | {r['a2ats_ms']:.2f} | {r['speedup']:.2f}x | "
+        ms, sp = r.get("method_ms", {}), r.get("method_speedup", {})
+        cell = lambda m: f"{ms[m]:.2f} ({sp[m]:.2f}x)" if m in ms else "-"  # noqa: E731
+        lines.append(f"| {r['T']} | {r['dtype']} | {r['dense_ms']:.2f} | {r['select_method']} | {r['a2ats_ms']:.2f} | "
+                     f"{r['speedup']:.2f}x | {cell('mlx')} | {cell('sortfree')} | {cell('host')} | "
                      f"{r['bytes_read']['dense']:,} | {r['bytes_read']['a2ats']:,} |")
     if res.get("dtype_ratio"):
         lines += ["", "A2ATS decode-step time of each dtype over float32 at the same T (interleaved in one loop; "

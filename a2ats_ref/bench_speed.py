@@ -69,14 +69,22 @@ def decode_step_inputs(T: int, dtype, *, n_q: int, n_kv: int, d: int, K: int = 4
 
 def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int, d: int, K: int = 4096,
                      topk=0.03, w: int = 64, sinks: int = 8, b: int = 2048, both_methods: bool = True) -> dict:
-    """Dense (mlx-lm's scaled_dot_product_attention over a KVCache) vs A2ATS fast_decode at one (T, dtype)."""
+    """Dense (mlx-lm's scaled_dot_product_attention over a KVCache) vs A2ATS fast_decode at one (T, dtype).
+
+    The "a2ats" row is method="auto" on this device; with both_methods every other selection method runs
+    beside it ("mlx" in-graph argpartition, "host" NumPy, "sortfree" threshold from code counts), all
+    interleaved in one loop. Every A2ATS call gets the per-code counts an A2ATSCache keeps (all T coded).
+    """
     from mlx_lm.models.base import scaled_dot_product_attention
 
     dtype = DTYPES[dtype_name]
     x = decode_step_inputs(T, dtype, n_q=n_q, n_kv=n_kv, d=d, K=K)
     scale = 1.0 / math.sqrt(d)
     inv = _rope_inv_freqs(d, 500000.0)
-    kw = dict(query_pos=T - 1, b=b, w=w, sinks=sinks, topk=topk, inv_freqs=inv, traditional=False, scale=scale)
+    counts = fast_decode.code_counts(x["codes"], K)
+    mx.eval(counts)
+    kw = dict(query_pos=T - 1, b=b, w=w, sinks=sinks, topk=topk, inv_freqs=inv, traditional=False, scale=scale,
+              code_counts=(counts, T))
 
     def dense():
         return scaled_dot_product_attention(x["q"], x["k"], x["v"], x["cache"], scale=scale, mask=None)
@@ -87,16 +95,21 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
     auto = fast_decode.auto_method(T - w - sinks)
     fns = {"dense": dense, "a2ats": a2ats(auto)}
     if both_methods:
-        fns["a2ats_" + ("mlx" if auto == "host" else "host")] = a2ats("mlx" if auto == "host" else "host")
+        for m in SELECT_METHODS:
+            if m != auto:
+                fns["a2ats_" + m] = a2ats(m)
     res = interleaved(fns, reps=reps)
-    ratios = [dt / at for dt, at in zip(res["dense"]["times_ms"], res["a2ats"]["times_ms"])]
+    ratio = lambda name: float(np.median([dt / at for dt, at in zip(res["dense"]["times_ms"], res[name]["times_ms"])]))
     gathered = fast_decode.selection_size(T, n_q=n_q, n_kv=n_kv, w=w, sinks=sinks, topk=topk)
     item = mx.zeros((), dtype).itemsize
+    by_method = {auto: "a2ats", **{k[6:]: k for k in res if k.startswith("a2ats_")}}
     return {
         "T": T, "dtype": dtype_name, "reps": reps,
         "dense_ms": res["dense"]["median_ms"], "a2ats_ms": res["a2ats"]["median_ms"],
-        "speedup": float(np.median(ratios)), "select_method": auto,
+        "speedup": ratio("a2ats"), "select_method": auto,
         "other_select_method_ms": {k[6:]: v["median_ms"] for k, v in res.items() if k.startswith("a2ats_")},
+        "method_ms": {m: res[k]["median_ms"] for m, k in by_method.items()},
+        "method_speedup": {m: ratio(k) for m, k in by_method.items()},
         "dense_min_ms": res["dense"]["min_ms"], "a2ats_min_ms": res["a2ats"]["min_ms"],
         "bytes_read": {
             "dense": 2 * n_kv * T * d * item,
@@ -105,6 +118,10 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
         "gathered_rows_per_kv_head": gathered,
         "shape": dict(n_q=n_q, n_kv=n_kv, d=d, K=K, topk=topk, w=w, sinks=sinks, batch=1),
     }
+
+
+#: the selection methods a decode-step row times beside dense (fast_decode.decode_step_fast's method=)
+SELECT_METHODS = ("mlx", "sortfree", "host")
 
 
 def dtype_ratio_case(T: int, dtypes, *, reps: int, n_q: int, n_kv: int, d: int, K: int = 4096, topk=0.03,
@@ -137,7 +154,9 @@ def decode_step_table(Ts, dtypes, *, reps: int, shape=None, K: int = 4096, progr
                 _log(f"decode_step T={T} dtype={dt} reps={reps}")
             r = decode_step_case(T, dt, reps=reps, K=K, **shape)
             if progress:
-                _log(f"  dense {r['dense_ms']:.2f} ms  a2ats {r['a2ats_ms']:.2f} ms  speedup {r['speedup']:.2f}x")
+                _log(f"  dense {r['dense_ms']:.2f} ms  " + "  ".join(
+                    f"{m}{' (auto)' if m == r['select_method'] else ''} {ms:.2f} ms {r['method_speedup'][m]:.2f}x"
+                    for m, ms in r["method_ms"].items()))
             rows.append(r)
             mx.clear_cache()
     return rows
