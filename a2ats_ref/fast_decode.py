@@ -228,7 +228,9 @@ def sortfree_threshold(lut: mx.array, counts: mx.array, kk: mx.array) -> mx.arra
     """
     order = mx.argsort(-lut, axis=-1)
     cum = mx.cumsum(mx.take_along_axis(mx.broadcast_to(counts[:, None, :], lut.shape), order, axis=-1), axis=-1)
-    pos = mx.minimum(mx.sum(cum < kk, axis=-1, keepdims=True), lut.shape[-1] - 1)
+    # the last code ends every walk (cum reaches all candidates there): counting over the others keeps
+    # pos < K without a shape constant in the fused kernel (each new constant costs a kernel JIT)
+    pos = mx.sum(cum[..., :-1] < kk, axis=-1, keepdims=True)
     return mx.take_along_axis(mx.take_along_axis(lut, order, axis=-1), pos, axis=-1)
 
 
@@ -266,22 +268,23 @@ def sortfree_width(kk: int, G: int, K: int, n_cand: int, step: int = 256) -> int
     return max(step, -(-want // step) * step)
 
 
-def _sortfree_select(lut, codes, counts, kk, c0, c1, *, BH, T_codes, S):
+def _sortfree_select(lut, codes, counts, kk, c0, c1, n_slots, *, BH, T_codes, S):
     """Compaction: the selected candidates' indices in index order, level 1 first, into S slots.
 
     Each candidate's slot is a prefix count of its level (one cumsum over T of both levels at once), then one
     scatter writes token indices to their slots; unselected and overflowing tokens go to spill slots past S.
+    n_slots is S as data (a constant would make every new S a new fused kernel to JIT-compile).
     Returns idx (BH, S) int32 and keep (BH, S) bool (slots past the selection are padding)."""
     levels, n1, n2 = sortfree_code_levels(lut, counts, kk)
     j = mx.arange(T_codes, dtype=mx.int32)
     lv = mx.take_along_axis(levels, codes.reshape(BH, T_codes), axis=-1)
     lv = mx.where((j >= c0) & (j < c1), lv, 0)
     rank = mx.cumsum(mx.stack([lv == 1, lv == 2]).astype(mx.int32), axis=-1)
-    slot = mx.where(lv == 1, rank[0] - 1, mx.where(lv == 2, n1[:, None] + rank[1] - 1, S))
-    slot = mx.where(slot < S, slot, S + (j & (SORTFREE_SPILL - 1)))
+    slot = mx.where(lv == 1, rank[0] - 1, mx.where(lv == 2, n1[:, None] + rank[1] - 1, n_slots))
+    slot = mx.where(slot < n_slots, slot, n_slots + (j & (SORTFREE_SPILL - 1)))
     buf = mx.zeros((BH, S + SORTFREE_SPILL), dtype=mx.int32)
     idx = mx.put_along_axis(buf, slot, mx.broadcast_to(j[None], (BH, T_codes)), axis=-1)[:, :S]
-    keep = mx.arange(S, dtype=mx.int32)[None] < mx.minimum(n1 + n2, S)[:, None]
+    keep = mx.arange(S, dtype=mx.int32)[None] < mx.minimum(n1 + n2, n_slots)[:, None]
     return idx, keep
 
 
@@ -290,7 +293,7 @@ def _candidate_counts(codes, counts, c0, c1, counted, *, BH, K, T_codes, sinks, 
     minus the sinks [0, c0) (c0 <= sinks) and the coded window tail [c1, counted). Touches sinks + w codes."""
     p = mx.concatenate([mx.arange(sinks, dtype=mx.int32), c1 + mx.arange(w, dtype=mx.int32)])
     drop = mx.concatenate([mx.arange(sinks) < c0, mx.arange(w) < counted - c1]).astype(mx.int32)
-    at = mx.take(codes.reshape(BH, T_codes), mx.minimum(p, T_codes - 1), axis=-1).astype(mx.int32)
+    at = mx.take(codes.reshape(BH, T_codes), mx.where(drop > 0, p, 0), axis=-1).astype(mx.int32)
     rows = mx.broadcast_to(mx.arange(BH, dtype=mx.int32)[:, None], at.shape)
     return counts.reshape(BH, K).at[rows, at].add(-mx.broadcast_to(drop[None], at.shape))
 
@@ -311,7 +314,12 @@ GATHER_BLOCK_BYTES = 1 << 21
 
 
 def _gather_blocks(S: int, BH: int, d: int) -> list[tuple[int, int]]:
-    """Column ranges [s0, s1) of the (BH, S) selection, each gathering at most GATHER_BLOCK_BYTES (float32)."""
+    """Column ranges [s0, s1) of the (BH, S) selection, each gathering at most GATHER_BLOCK_BYTES (float32).
+
+    CPU only: a GPU gathers the whole selection at once (there every block costs kernel launches, and its
+    memory is not the CPU's buffer cache)."""
+    if mx.default_device().type != mx.cpu:
+        return [(0, S)]
     width = max(1, GATHER_BLOCK_BYTES // (4 * BH * d))
     return [(s, min(s + width, S)) for s in range(0, S, width)]
 
@@ -347,6 +355,7 @@ def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes=(None,)):
     G = n_q // n_kv
     BH = B * n_kv
     row_base = mx.arange(BH, dtype=mx.int32)[:, None] * T_buf   # flat row of token 0 of each (b, kv)
+    mx.eval(row_base)   # an input of the graph: left lazy, T_buf became a literal in a kernel JIT-built per T_buf
     n_lanes = len(lanes)
 
     def rows_f32(buf, rows, width, s):
@@ -386,7 +395,8 @@ def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes=(None,)):
 
 
 @lru_cache(maxsize=64)
-def _sortfree_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional, scale, tables, kept, sinks, w):
+def _sortfree_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional, scale, tables, kept, sinks, w,
+                      lanes=(None,)):
     """Compiled: the whole sort-free decode step, LUT -> threshold -> compaction -> gather -> attention.
 
     One graph, no host round trip: the token count kk, the candidate range and the coded count enter as
@@ -395,15 +405,16 @@ def _sortfree_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional,
     """
     BH, G = B * n_kv, n_q // n_kv
     lut_fn = _lut_fn(B, n_kv, G, d, K, traditional, scale, tables)
-    attend = _attend_fn(B, n_q, n_kv, d, dv, T_buf, F)
+    attend = _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes)
 
-    def step(queries, keys, values, codes, CT, inv, b, pos, counts, kk, c0, c1, counted, forced_idx, scale_arr):
+    def step(queries, keys, values, codes, CT, inv, b, pos, counts, kk, c0, c1, counted, n_slots, forced_idx,
+             scale_arr):
         lut = lut_fn(queries, CT, inv, b, pos)
         if kept:
             cand = _candidate_counts(codes, counts, c0, c1, counted, BH=BH, K=K, T_codes=T_codes, sinks=sinks, w=w)
         else:
             cand = _counts_from_codes(codes, c0, c1, BH=BH, K=K, T_codes=T_codes)
-        idx, keep = _sortfree_select(lut, codes, cand, kk, c0, c1, BH=BH, T_codes=T_codes, S=S)
+        idx, keep = _sortfree_select(lut, codes, cand, kk, c0, c1, n_slots, BH=BH, T_codes=T_codes, S=S)
         return attend(queries, keys, values, idx, keep, forced_idx, scale_arr), idx, keep
 
     return mx.compile(step)
@@ -539,11 +550,11 @@ def _decode_sortfree(queries, keys, values, codes, CT, inv, *, i, b, kk, c0, c1,
     pos = mx.stack(list(applied_angle)) if tables else mx.array(float(i), f32)
     S = sortfree_width(kk, n_q // n_kv, K, c1 - c0)
     fn = _sortfree_step_fn(B, n_q, n_kv, d, values.shape[-1], K, T_buf, T_codes, S, len(forced), traditional,
-                           scale, tables, kept, sinks, w)
+                           scale, tables, kept, sinks, w, _lanes())
     forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
     out, idx, keep = fn(queries, keys, values, codes, CT, inv.astype(f32), mx.array(float(b), f32), pos,
                         counts.astype(i32), mx.array(kk, i32), mx.array(c0, i32), mx.array(c1, i32),
-                        mx.array(counted, i32), forced_idx, mx.array(scale, dtype=f32))
+                        mx.array(counted, i32), mx.array(S, i32), forced_idx, mx.array(scale, dtype=f32))
     if not (return_mask or return_selection):
         return out
     sel = Selection(idx, keep, forced_idx, (B, n_kv, n_tokens))
