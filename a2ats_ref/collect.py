@@ -13,11 +13,14 @@ the pre-RoPE q and k, for any architecture that follows that pattern (the ones
 the second the keys; the head counts are checked against the module's.
 
 Sequences are prefilled in chunks through an mlx-lm KVCache, so every chunk sees its full causal
-context; each sequence starts from an empty cache. Only the model body runs (no LM head).
+context; each sequence starts from an empty cache. Only what the captured q and k depend on is computed:
+no LM head, no final norm, no attention output or MLP in the last layer, and attention itself as
+``causal_attention`` (BLAS score blocks, NumPy's exp) instead of MLX's CPU kernel (see there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -104,6 +107,7 @@ class _Sink:
         self.q_parts: list[list] = [[] for _ in range(n_layers)]  # per chunk, (n_kv, d, d) float32
         self.k_parts: list[list] = [[] for _ in range(n_layers)]
         self.qcount = [0] * n_layers
+        self.n_layers, self.layer = n_layers, -1
 
     def on_queries(self, layer: int, q: mx.array):
         B, H, T, d = q.shape
@@ -124,10 +128,130 @@ class _Sink:
         return R.T @ raw @ R
 
     def on_keys(self, layer: int, k: mx.array):
+        self.layer = layer  # the attention call that follows is this layer's (see _host_attention)
         B, H, T, d = k.shape
         if H != self.n_kv or d != self.d:
             raise ValueError(f"layer {layer}: expected keys with {self.n_kv} heads of dim {self.d}, got {k.shape}")
         self.k_parts[layer].append(k.astype(mx.float32).transpose(1, 0, 2, 3).reshape(self.n_kv, B * T, d))
+
+
+#: Host attention blocks: ATTN_ROWS query rows x ATTN_KEYS keys of float32 scores (3 MiB) stay in cache
+#: while NumPy exponentiates them.
+ATTN_ROWS, ATTN_KEYS = 768, 1024
+
+
+def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
+                     rows: int = ATTN_ROWS, block: int = ATTN_KEYS) -> mx.array:
+    """Causal softmax attention of end-aligned queries (as mlx-lm's prefill with mask="causal"), float32.
+
+    Why not mx.fast.scaled_dot_product_attention: on MLX's Linux CPU backend its softmax calls a scalar
+    exp (~80M/s measured, against ~2G/s for NumPy's SIMD exp), so a 16K-token calibration document spent
+    most of its collection time in exp. Here MLX's BLAS forms the scores block by block (``rows`` query rows
+    x ``block`` keys), NumPy exponentiates each block in place, and an online softmax (running max,
+    rescaled per key block) combines the blocks; the row sums come out of the P V GEMM as one more column
+    (V is extended by ones). Same value as the fused kernel up to float32 rounding.
+    queries (B, n_q, Tq, d), keys (B, n_kv, Tk, d), values (B, n_kv, Tk, dv), Tq <= Tk.
+    """
+    B, n_q, Tq, d = queries.shape
+    n_kv, Tk, dv = keys.shape[1], keys.shape[2], values.shape[-1]
+    G = n_q // n_kv
+    qs = (queries * scale).reshape(B, n_kv, G * Tq, d)  # GQA: the group's heads share one score GEMM
+    kt = mx.swapaxes(keys, -1, -2)
+    v1 = mx.concatenate([values, mx.ones(values.shape[:-1] + (1,), values.dtype)], axis=-1)
+    mx.eval(qs, kt, v1)
+    last = np.tile(np.arange(Tk - Tq, Tk), G)  # last key each row (group head g, query t) may see
+    out = np.empty((B, n_kv, G * Tq, dv), np.float32)
+    for b in range(B):
+        for h in range(n_kv):
+            for r in range(0, G * Tq, rows):
+                q, lim = qs[b, h, r : r + rows], last[r : r + rows]
+                run_max = np.full((lim.size, 1), -np.inf, np.float32)
+                acc = np.zeros((lim.size, dv + 1), np.float32)  # [sum_j p_j v_j, sum_j p_j]
+                for s in range(0, int(lim.max()) + 1, block):
+                    e = min(s + block, Tk)
+                    scores = q @ kt[b, h, :, s:e]
+                    mx.eval(scores)
+                    # Exponentiated in place in MLX's buffer, which the P V product below then reads: `scores`
+                    # is this function's own evaluated array, so nothing else sees the change, and no copy.
+                    p = np.array(scores, copy=False)
+                    if e - 1 > lim.min():
+                        p[np.arange(s, e)[None, :] > lim[:, None]] = -np.inf
+                    new_max = np.maximum(run_max, p.max(axis=-1, keepdims=True))  # finite: key 0 is always seen
+                    np.subtract(p, new_max, out=p)
+                    np.exp(p, out=p)
+                    pv = scores @ v1[b, h, s:e]
+                    mx.eval(pv)
+                    acc *= np.exp(run_max - new_max)
+                    acc += np.array(pv, copy=False)
+                    run_max = new_max
+                out[b, h, r : r + rows] = acc[:, :dv] / acc[:, dv:]
+    return mx.array(out).reshape(B, n_q, Tq, dv).astype(queries.dtype)
+
+
+_SDPA = "scaled_dot_product_attention"  # the name mlx-lm's model modules bind (see a2ats_ref.hook)
+
+
+def _host_attention(previous, sink: "_Sink"):
+    """A stand-in for a model module's ``scaled_dot_product_attention`` during collection.
+
+    Causal float32 attention on the CPU goes to causal_attention. The last layer's attention output feeds
+    nothing collection keeps (its keys and queries are captured before it), so it is handed back lazily
+    from ``previous`` and never evaluated, nor are that layer's MLP and the final norm. Anything else
+    (another mask, attention sinks, other dtypes, a GPU) goes to ``previous``, the binding it replaces.
+    """
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        causal = isinstance(mask, str) and mask == "causal" or (mask is None and queries.shape[2] == 1)
+        if (sink.layer == sink.n_layers - 1 or sinks is not None or not causal or queries.dtype != mx.float32
+                or mx.default_device().type != mx.cpu):
+            kw = {} if sinks is None else {"sinks": sinks}
+            return previous(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
+        return causal_attention(queries, keys, values, scale=scale)
+
+    return scaled_dot_product_attention
+
+
+def host_swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x = gate * x / (1 + exp(-gate)), float32, with NumPy's exp (MLX's CPU sigmoid is scalar:
+    it took about 40% of a SmolLM2 layer's time on 256-token chunks). Same value up to float32 rounding."""
+    mx.eval(gate, x)
+    g = np.array(gate, copy=False)
+    with np.errstate(over="ignore"):  # exp(-gate) is inf for gate < -88: the quotient is then -0.0, silu's limit
+        t = np.exp(-g)
+    t += 1.0
+    np.divide(g, t, out=t)
+    t *= np.array(x, copy=False)
+    return mx.array(t)
+
+
+def _host_swiglu(previous):
+    def swiglu(gate, x):
+        if gate.dtype != mx.float32 or x.dtype != mx.float32 or mx.default_device().type != mx.cpu:
+            return previous(gate, x)
+        return host_swiglu(gate, x)
+
+    return swiglu
+
+
+@contextlib.contextmanager
+def _collection_kernels(attns, sink: "_Sink"):
+    """While collecting, bind _host_attention (and _host_swiglu where the module uses mlx-lm's ``swiglu``) in
+    each attention module's Python module, as a2ats_ref.hook does for decoding; restored on exit."""
+    from mlx_lm.models import activations
+
+    saved = []
+    for m in (sys.modules[n] for n in dict.fromkeys(type(a).__module__ for a in attns)):
+        if callable(getattr(m, _SDPA, None)):
+            saved.append((m, _SDPA, getattr(m, _SDPA), _host_attention(getattr(m, _SDPA), sink)))
+        if getattr(m, "swiglu", None) is activations.swiglu:
+            saved.append((m, "swiglu", m.swiglu, _host_swiglu(m.swiglu)))
+    try:
+        for m, name, _, fn in saved:
+            setattr(m, name, fn)
+        yield
+    finally:
+        for m, name, fn, _ in saved:
+            setattr(m, name, fn)
 
 
 def model_rope_params(model) -> tuple[list, list[bool]]:
@@ -176,25 +300,26 @@ def collect(
     keys_np: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
     try:
         sink.active = True
-        for seq in sequences:
-            seq = list(seq)
-            if not seq:
-                continue
-            cache = make_prompt_cache(model)
-            for s in range(0, len(seq), chunk):
-                ids = mx.array(seq[s : s + chunk])[None]
-                h = body(ids, cache=cache)
-                mx.eval(h, [sink.q_parts, sink.k_parts], [c.state for c in cache])
-                for l in range(n_layers):
-                    for part in sink.q_parts[l]:
-                        qsum[l] += np.array(part, dtype=np.float64)
-                    for part in sink.k_parts[l]:
-                        keys_np[l].append(np.array(part))
-                    sink.q_parts[l].clear()
-                    sink.k_parts[l].clear()
-                done += ids.shape[1]
-                if progress is not None:
-                    progress(done, total_tokens or done)
+        with _collection_kernels(attns, sink):
+            for seq in sequences:
+                seq = list(seq)
+                if not seq:
+                    continue
+                cache = make_prompt_cache(model)
+                for s in range(0, len(seq), chunk):
+                    ids = mx.array(seq[s : s + chunk])[None]
+                    body(ids, cache=cache)  # not evaluated: what follows the last layer's keys is never needed
+                    mx.eval([sink.q_parts, sink.k_parts], [c.state for c in cache])
+                    for l in range(n_layers):
+                        for part in sink.q_parts[l]:
+                            qsum[l] += np.array(part, dtype=np.float64)
+                        for part in sink.k_parts[l]:
+                            keys_np[l].append(np.array(part))
+                        sink.q_parts[l].clear()
+                        sink.k_parts[l].clear()
+                    done += ids.shape[1]
+                    if progress is not None:
+                        progress(done, total_tokens or done)
     finally:
         sink.active = False
         for a, r in zip(attns, originals):

@@ -216,3 +216,33 @@ def test_resume_reuses_finished_layers(text_file, tmp_path):
     # Different settings: ignored.
     third = cal.calibrate(m, ByteTokenizer(), partial_dir=tmp_path / "p", **{**kw, "seed": 1})
     assert not np.array_equal(np.array(third.cz[0]), np.array(second.cz[0]))
+
+
+def _attention64(q, k, v, scale):
+    """Float64 causal attention of end-aligned queries, written out (the reference for causal_attention)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    G, Tq, Tk = q.shape[1] // k.shape[1], q.shape[2], k.shape[2]
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    s = scale * q @ np.swapaxes(k, -1, -2)
+    s[..., np.arange(Tk)[None, :] > np.arange(Tk - Tq, Tk)[:, None]] = -np.inf
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return p @ v / p.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("Tq, Tk", [(1, 1), (1, 23), (9, 9), (9, 30), (30, 30)])
+def test_host_causal_attention_matches_float64(Tq, Tk):
+    # Blocks of 4 rows x 7 keys: the online softmax's rescaling and the causal cut inside a block both run.
+    rng = np.random.default_rng(Tq * 100 + Tk)
+    q = rng.normal(size=(2, 4, Tq, 8)).astype(np.float32) * 3  # spread scores: the running max changes
+    k = rng.normal(size=(2, 2, Tk, 8)).astype(np.float32)
+    v = rng.normal(size=(2, 2, Tk, 5)).astype(np.float32)
+    got = col.causal_attention(mx.array(q), mx.array(k), mx.array(v), scale=0.35, rows=4, block=7)
+    np.testing.assert_allclose(np.array(got), _attention64(q, k, v, 0.35), rtol=1e-5, atol=1e-6)
+
+
+def test_host_swiglu_matches_mlx_lm():
+    from mlx_lm.models.activations import swiglu
+
+    g = mx.array(np.concatenate([np.linspace(-120, 120, 481), np.random.default_rng(0).normal(size=500)]).astype(np.float32))
+    x = mx.array(np.random.default_rng(1).normal(size=g.shape).astype(np.float32))
+    np.testing.assert_allclose(np.array(col.host_swiglu(g, x)), np.array(swiglu(g, x)), rtol=1e-5, atol=1e-30)
