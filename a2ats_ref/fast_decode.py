@@ -20,6 +20,24 @@ output to float tolerance), engineered for speed on MLX's CPU backend:
   ``b`` and ``query_pos`` enter as data so decoding does not recompile every token;
 * the selected set is returned lazily (``Selection``): the cache keeps it and builds the bool mask
   only when someone asks for ``last_selection``.
+
+Three selection methods (``method=``): "host" (NumPy, exact top-k with the oracle's lowest-index tie rule),
+"mlx" (in-graph ``argpartition`` over T scores) and "sortfree", which never sorts T tokens and is what
+"auto" takes off the CPU (GPUs; ops chosen to be portable MLX, fast on Metal and CUDA alike):
+
+* there are only K distinct scores per head: the kk-th largest candidate score is found by sorting the K
+  LUT entries and walking the per-code candidate counts down to kk (``sortfree_threshold``); the cache keeps
+  the counts of its coded tokens (``A2ATSCache._counts``), and the step corrects them by the sinks and the
+  coded part of the window, reading sinks + w codes;
+* every token whose code scores at or above its head's threshold is taken, union over the GQA group, so
+  ties at the threshold are taken whole: RET-SELECT's `may` holds every token >= the kk-th score, and
+  `must` none of a tie that overflows kk (``sortfree_code_levels``);
+* compaction into a fixed slot list without sorting: one cumsum over T (must-level tokens first, ties
+  after) gives each selected token its slot and one scatter writes it there; the slot count
+  (``sortfree_width``) holds every must-level token (<= G·kk), and extra room for ties, which alone are
+  cut if a bucket is huge;
+* the LUT, threshold, compaction, gather and attention are one ``mx.compile``d graph per step, every
+  changing number (kk, candidate range, coded count, slot count) entering as data.
 """
 
 from __future__ import annotations
