@@ -80,9 +80,9 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
     dtype = DTYPES[dtype_name]
     x = decode_step_inputs(T, dtype, n_q=n_q, n_kv=n_kv, d=d, K=K)
     scale = 1.0 / math.sqrt(d)
-    inv = _rope_inv_freqs(d, 500000.0)
+    inv = mx.array(_rope_inv_freqs(d, 500000.0).astype(np.float32))   # as the cache holds it: no per-call copy
     counts = fast_decode.code_counts(x["codes"], K)
-    mx.eval(counts)
+    mx.eval(inv, counts)
     kw = dict(query_pos=T - 1, b=b, w=w, sinks=sinks, topk=topk, inv_freqs=inv, traditional=False, scale=scale,
               code_counts=(counts, T))
 
@@ -128,10 +128,12 @@ def dtype_ratio_case(T: int, dtypes, *, reps: int, n_q: int, n_kv: int, d: int, 
                      w: int = 64, sinks: int = 8, b: int = 2048) -> dict:
     """A2ATS decode step in each dtype at one T, interleaved in one loop: time of each dtype / float32's
     (median of the per-repetition ratios). The same random values (cast), codes and codebook for all."""
-    inv = _rope_inv_freqs(d, 500000.0)
-    kw = dict(query_pos=T - 1, b=b, w=w, sinks=sinks, topk=topk, inv_freqs=inv, traditional=False,
-              scale=1.0 / math.sqrt(d))
+    inv = mx.array(_rope_inv_freqs(d, 500000.0).astype(np.float32))
     x32 = decode_step_inputs(T, mx.float32, n_q=n_q, n_kv=n_kv, d=d, K=K)
+    counts = fast_decode.code_counts(x32["codes"], K)   # kept by the cache; auto's sort-free step reads them
+    mx.eval(inv, counts)
+    kw = dict(query_pos=T - 1, b=b, w=w, sinks=sinks, topk=topk, inv_freqs=inv, traditional=False,
+              scale=1.0 / math.sqrt(d), code_counts=(counts, T))
     fns = {}
     for name in dtypes:
         dt = DTYPES[name]
