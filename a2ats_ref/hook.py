@@ -9,8 +9,10 @@ class with a dispatcher:
 - cache is an A2ATSCache and the query length is 1 -> RET-DECODE (cache.decode):
   the real post-RoPE query is right there, one line after update_and_fetch;
 - cache is an A2ATSCache and the query length is > 1 -> PREFILL: mlx-lm's own
-  dense causal attention with the mask mlx-lm passed (codes were already
-  assigned by update_and_fetch);
+  dense causal attention with the mask mlx-lm passed; on the CPU, a causal
+  prefill of at least prefill.HOST_PREFILL_MIN query x key pairs runs
+  prefill.causal_attention_host instead (same attention, NumPy's exp: MLX's CPU
+  exp made long prefills exp-bound). Codes are assigned later, in batches;
 - any other cache (or none) -> the function the module had before, untouched.
 
 The replacement is per model module and process-wide (other models of the same
@@ -29,7 +31,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from . import fast_decode
+from . import fast_decode, prefill
 from .cache import A2ATSCache, attention_modules, _head_dims
 from .rope import rope_params_from_module
 
@@ -57,6 +59,8 @@ def _make_dispatcher(original):
         if sinks is not None:
             raise ValueError("A2ATS: models with learned attention sinks (sinks=...) are not supported")
         if queries.shape[2] > 1:  # PREFILL: mlx-lm's dense path (the cache has no `bits`, so mx.fast SDPA)
+            if isinstance(mask, str) and mask == "causal" and prefill.use_host_prefill(queries, keys):
+                return prefill.causal_attention_host(queries, keys, values, scale=scale)
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
         if mask is not None and not isinstance(mask, str):
             raise ValueError(

@@ -55,6 +55,26 @@ def test_selection_changes_output_when_topk_is_small(model):
     assert max(np.abs(x - y).max() for x, y in zip(ours[1:], ref[1:])) > 1e-3, "decode never used retrieval"
 
 
+def test_host_prefill_is_dense_attention(model, monkeypatch):
+    """PREFILL through the host kernel (prefill.causal_attention_host; forced here with HOST_PREFILL_MIN = 1):
+    one-shot and chunked prefill (queries end-aligned to the keys) equal mlx-lm's KVCache path."""
+    import a2ats_ref.prefill as pf
+
+    calls = []
+    real = pf.causal_attention_host
+    monkeypatch.setattr(pf, "HOST_PREFILL_MIN", 1)
+    monkeypatch.setattr(pf, "causal_attention_host", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    toks = tokens(48, seed=9)
+    cfg = dict(w=4, sinks=2, topk=1.0)
+    _close(run(model, toks, a2ats_caches(model, **cfg), prefill=20), run(model, toks, kv_caches(model), prefill=20),
+           "CACHE-DENSE", "host prefill, then decode over everything")
+    ours, ref = a2ats_caches(model, **cfg), kv_caches(model)
+    for s, e in ((0, 7), (7, 30), (30, 31), (31, 48)):
+        _close([np.array(model(toks[:, s:e], cache=ours))], [np.array(model(toks[:, s:e], cache=ref))],
+               "PREFILL", f"chunk [{s}, {e}) through the host kernel")
+    assert len(calls) >= 2 * len(model.layers) and calls[0][2] == 20, calls
+
+
 def test_no_bits_attribute():
     model = tiny_llama()
     for c in a2ats_caches(model):
