@@ -312,16 +312,18 @@ class _HostPathHeadZeroCache(_SameClassOnLoad, ReferenceCache):
         import mlx.core as mx
         from a2ats_ref import fast_decode as fd
 
-        original = fd._select_host
+        original, auto = fd._select_host, fd.auto_method
 
         def first_head_only(lut, codes, **kw):
             return original(mx.broadcast_to(lut[:, :1, :], lut.shape), codes, **kw)
 
         fd._select_host = first_head_only
+        # the host path on every device (off the CPU, auto takes the sort-free step at any length)
+        fd.auto_method = lambda n: "host" if n >= fd.HOST_SELECT_MIN else auto(n)
         try:
             return super().decode(q_post)
         finally:
-            fd._select_host = original
+            fd._select_host, fd.auto_method = original, auto
 
 
 class HostPathHeadZero(Mutant):
