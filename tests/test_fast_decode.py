@@ -113,8 +113,17 @@ def test_errors_name_the_argument():
         decode_step_fast(m(q), m(k), m(v), mx.array(codes), CT, method="gpu", **kw)
 
 
+@pytest.fixture
+def on_cpu():
+    """Run on MLX's CPU device (blocked gathers are a CPU tactic; a GPU gathers in one block)."""
+    dev = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(dev)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_blocked_gather_equals_one_block(monkeypatch, dtype):
+def test_blocked_gather_equals_one_block(monkeypatch, dtype, on_cpu):
     """The attention step gathers the selection in blocks (GATHER_BLOCK_BYTES) and sums p @ V over them;
     with 8-row blocks (many blocks, a ragged last one) the result is the oracle's exact attention."""
     import a2ats_ref.fast_decode as fd
@@ -249,6 +258,7 @@ def test_code_counts_match_bincount():
 
 def test_auto_picks_sortfree_off_the_cpu(monkeypatch):
     """No CPU-tuned threshold decides a GPU path: off the CPU, auto is the sort-free step at every length."""
+    monkeypatch.setattr(fd.mx, "default_device", lambda: mx.Device(mx.cpu))
     assert fd.auto_method(10) == "mlx" and fd.auto_method(fd.HOST_SELECT_MIN) == "host"
     monkeypatch.setattr(fd.mx, "default_device", lambda: mx.Device(mx.gpu))
     assert fd.auto_method(10) == fd.auto_method(10 ** 6) == "sortfree"
