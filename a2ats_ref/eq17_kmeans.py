@@ -96,19 +96,28 @@ def kmeanspp_init(z, K: int, uniforms) -> mx.array:
     d2 = np.sum(np.square(zn - centres[0]), axis=-1)
     z2 = np.sum(np.square(zn), axis=-1)
     near = np.zeros(N, dtype=np.int64)  # index (into centres) of each point's nearest centre
+    # Per point: a centre c can only come closer if ||c - c_near||^2 < 4 D^2 (triangle inequality); the margin
+    # absorbs float32 rounding in D^2.
+    reach = 4.0 * d2.astype(np.float64) * (1.0 + 1e-5) + 1e-30
+    c64 = np.zeros((K, zn.shape[1]), np.float64)  # centres in float64 for exact centre-centre distances
+    c64[0] = centres[0]
+    cn2 = np.zeros(K, np.float64)
+    cn2[0] = c64[0] @ c64[0]
+    tree = _CumWeights(d2)
     for t in range(1, K):
-        cum = np.cumsum(d2, dtype=np.float64)
-        n = min(int(np.searchsorted(cum, u[t] * cum[-1], side="right")), N - 1)
+        n = tree.pick(u[t])
         chosen[t] = n
         c = zn[n]
         centres[t] = c
-        # x can only move closer if ||c - c_near(x)|| < 2 ||x - c_near(x)|| (triangle inequality).
-        cc = np.sum(np.square(centres[:t] - c), axis=-1)
-        idx = np.flatnonzero(cc[near] < 4.0 * d2 * (1.0 + 1e-5) + 1e-30)
+        c64[t] = c
+        cn2[t] = c64[t] @ c64[t]
+        # ||c_j - c||^2 by expansion in float64: errors ~1e-16 of the norms, far inside the 1e-5 margin.
+        cc = cn2[:t] - 2.0 * np.einsum("ij,j->i", c64[:t], c64[t]) + cn2[t]  # einsum: no BLAS threads
+        idx = np.flatnonzero(cc[near] < reach)
         if idx.size > N // 4:
-            # Weak pruning (high dimension): screen every point with one matrix-vector product,
+            # Weak pruning (early centres are far apart): screen every point with one matrix-vector product,
             # with a margin for its rounding, then measure the survivors directly.
-            cn = float(np.dot(c, c))
+            cn = float(cn2[t])
             approx = z2 + cn - 2.0 * np.einsum("ij,j->i", zn, c)  # einsum: no BLAS threads to contend
             idx = np.flatnonzero(approx < d2 + 1e-5 * (z2 + cn) + 1e-30)
         if idx.size:
@@ -117,7 +126,54 @@ def kmeanspp_init(z, K: int, uniforms) -> mx.array:
             hit = idx[closer]
             d2[hit] = dn[closer]
             near[hit] = t
+            reach[hit] = 4.0 * dn[closer].astype(np.float64) * (1.0 + 1e-5) + 1e-30
+            tree.update(hit, d2)
     return mx.array(centres)
+
+
+class _CumWeights:
+    """Inverse-CDF sampling over weights w (float32, N) that change a few at a time, as EQ-17-INIT draws.
+
+    The rule is the smallest n with cumsum(w)[n] > u * sum(w), cumsum taken sequentially in float64 (as
+    np.cumsum(w, dtype=np.float64)). Sums are kept per block of BLOCK weights, so a draw reads the block sums
+    and one block, and an update re-sums the blocks it touched: O(N / BLOCK + BLOCK) instead of O(N). Block
+    sums round differently from the sequential cumsum (by at most ~N eps of the total), so a draw that lands
+    within 1e-9 of the total of a boundary is redone with the sequential cumsum: the pick is always the one
+    the sequential rule gives.
+    """
+
+    BLOCK = 256
+
+    def __init__(self, w: np.ndarray):
+        self.w = w
+        self.N = w.size
+        nb = -(-self.N // self.BLOCK)
+        self.w64 = np.zeros(nb * self.BLOCK, np.float64)
+        self.w64[: self.N] = w
+        self.sums = self.w64.reshape(nb, self.BLOCK).sum(axis=1)
+
+    def update(self, idx: np.ndarray, w: np.ndarray) -> None:
+        if idx.size == 0:
+            return
+        self.w64[idx] = w[idx]
+        blocks = np.unique(idx // self.BLOCK)
+        self.sums[blocks] = self.w64.reshape(-1, self.BLOCK)[blocks].sum(axis=1)
+
+    def pick(self, u: float) -> int:
+        bc = np.cumsum(self.sums)
+        total = bc[-1]
+        target = u * total
+        j = int(np.searchsorted(bc, target, side="right"))
+        if j < bc.size:
+            base = bc[j - 1] if j else 0.0
+            within = base + np.cumsum(self.w64[j * self.BLOCK : (j + 1) * self.BLOCK])
+            k = int(np.searchsorted(within, target, side="right"))
+            lo = within[k - 1] if k else base
+            margin = 1e-9 * total
+            if k < within.size and within[k] - target > margin and target - lo > margin:
+                return min(j * self.BLOCK + k, self.N - 1)
+        cum = np.cumsum(self.w, dtype=np.float64)  # near a boundary: the sequential rule itself
+        return min(int(np.searchsorted(cum, u * cum[-1], side="right")), self.N - 1)
 
 
 def _fix_empty(codes: np.ndarray, err: np.ndarray, K: int) -> np.ndarray:

@@ -1,0 +1,34 @@
+"""The fast paths of a2ats_ref.eq17_kmeans pick what the plain rules pick (EQ-17-INIT's inverse CDF)."""
+
+from __future__ import annotations
+
+import a2ats_ref  # noqa: F401  (first: its __init__ loads the fast BLAS before mlx)
+
+import numpy as np
+import pytest
+
+from a2ats_ref.eq17_kmeans import _CumWeights
+
+
+def _sequential(w, u):
+    cum = np.cumsum(w, dtype=np.float64)
+    return min(int(np.searchsorted(cum, u * cum[-1], side="right")), w.size - 1)
+
+
+@pytest.mark.parametrize("N", [1, 7, 256, 1000])
+def test_block_sums_pick_as_the_sequential_cumsum(N):
+    rng = np.random.default_rng(N)
+    # Weights over 30 decades round differently in block sums than in one running sum; draws placed exactly on
+    # the sequential cumsum's boundaries (and one float64 step either side) are where the two could disagree.
+    w = (10.0 ** rng.uniform(-15, 15, N)).astype(np.float32)
+    w[rng.random(N) < 0.2] = 0.0
+    w[0] = max(w[0], 1.0)
+    tree = _CumWeights(w)
+    for _ in range(3):
+        cum = np.cumsum(w, dtype=np.float64)
+        us = list(rng.random(50)) + [c / cum[-1] for c in cum[:-1]]
+        us = [x for u in us for x in (u, np.nextafter(u, 0.0), np.nextafter(u, 1.0)) if 0.0 <= x < 1.0]
+        assert [tree.pick(u) for u in us] == [_sequential(w, u) for u in us]
+        idx = np.unique(rng.integers(0, N, max(1, N // 10)))
+        w[idx] = (w[idx] * rng.uniform(0, 1, idx.size)).astype(np.float32)  # D^2 only shrinks
+        tree.update(idx, w)
