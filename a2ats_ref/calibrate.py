@@ -216,7 +216,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
                                 checkpoint_tokens=checkpoint_tokens, quiet=quiet)
     timings["collect_s"] = round(time.perf_counter() - t0, 2)
     n_layers, n_kv, d = col.meta["n_layers"], col.meta["n_kv"], col.meta["head_dim"]
-    timings.update(_collect.collect_rates(model, corpus.sequences, col.meta, timings["collect_s"]))
+    timings.update(_collect.collect_rates(model, corpus.sequences, timings["collect_s"]))
 
     settings = {
         "codebook_size": K, "b": b, "seed": seed, "max_iter": max_iter, "tol": tol, "n_tokens": col.n_tokens,
@@ -245,8 +245,8 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
                 t0 = time.perf_counter()
                 z = z_transform(mx.array(col.keys[l][h]), L[h])  # EQ-16
                 head_stats: dict = {}
-                C, _codes, hist = kmeans(z, K, seed=head_seed(seed, l, h), max_iter=max_iter, tol=tol,
-                                         stats=head_stats)  # EQ-17
+                C, _, hist = kmeans(z, K, seed=head_seed(seed, l, h), max_iter=max_iter, tol=tol,
+                                    stats=head_stats, assign=False)  # EQ-17
                 for k, v in head_stats.items():
                     km_stats[k] = km_stats.get(k, 0) + v
                 hs = phase_stats(head_stats)
@@ -324,7 +324,8 @@ def _collect_checkpointed(model, corpus, partial, settings, *, b, chunk, checkpo
     if not (isinstance(checkpoint_tokens, int) and checkpoint_tokens >= 1):
         raise ValueError(f"checkpoint_tokens: expected a positive int, got {checkpoint_tokens!r}")
     groups = _groups(corpus.sequences, checkpoint_tokens)
-    prog = None if quiet else _collect.text_progress("collect (tokens)")
+    prog = None if quiet else _collect.text_progress(
+        "collect (tokens)", flops=np.cumsum(_collect.token_flops(model, corpus.sequences)))
     parts, done, reused = [], 0, 0
     for g, seqs in enumerate(groups):
         part = _load_collected(partial, g, settings) if partial is not None else None

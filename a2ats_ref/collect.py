@@ -337,15 +337,24 @@ def collect(
     )
 
 
-def collect_rates(model, sequences, meta: dict, seconds: float) -> dict:
-    """Tokens/s and effective GFLOP/s of a collection: nominal 2 FLOPs per layer weight per token plus the
-    causal attention (q k^T and p v, 4 d FLOPs per query head and (query, key) pair with key <= query)."""
+def token_flops(model, sequences) -> np.ndarray:
+    """Nominal FLOPs of each calibration token, in collection order: 2 per layer weight plus the causal
+    attention (q k^T and p v: 4 d FLOPs per query head and key the token sees). Rates from these are
+    effective rates: collection skips part of this work (the last layer's attention output and MLP)."""
     from mlx.utils import tree_flatten
 
+    attns = attention_layers(model)
+    n_q, _, d = head_counts(attns[0])
     n_weights = sum(v.size for k, v in tree_flatten(model.parameters()) if ".layers." in f".{k}" and "layers" in k)
+    per_key = 4.0 * d * n_q * len(attns)
+    parts = [2.0 * n_weights + per_key * np.arange(1, len(s) + 1, dtype=np.float64) for s in sequences]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def collect_rates(model, sequences, seconds: float) -> dict:
+    """Tokens/s and effective GFLOP/s (token_flops over wall seconds) of a collection."""
     n_tok = sum(len(s) for s in sequences)
-    pairs = sum(len(s) * (len(s) + 1) / 2 for s in sequences)
-    flop = 2.0 * n_weights * n_tok + 4.0 * meta["head_dim"] * meta["n_q"] * meta["n_layers"] * pairs
+    flop = float(token_flops(model, sequences).sum())
     ok = seconds > 0
     return {"collect_tokens_per_s": round(n_tok / seconds, 1) if ok else None,
             "collect_gflops": round(flop / seconds / 1e9, 2) if ok else None}
@@ -369,8 +378,10 @@ def moment_from_sums(qsum: np.ndarray, count: int, *, ridge: float = 1e-6) -> mx
     return mx.array((H / rms + ridge * np.eye(d)).astype(np.float32))
 
 
-def text_progress(label: str, *, stream=sys.stderr, every: float = 1.0) -> Callable[[int, int], None]:
-    """A plain-text progress printer: ``label  done/total  pct  elapsed  eta``, at most once per ``every`` s."""
+def text_progress(label: str, *, stream=sys.stderr, every: float = 1.0,
+                  flops: np.ndarray | None = None) -> Callable[[int, int], None]:
+    """A plain-text progress printer: ``label  done/total  pct  elapsed  eta``, at most once per ``every`` s.
+    flops: cumulative nominal FLOPs after each item (cumsum of token_flops), to print the effective GFLOP/s."""
     t0 = time.perf_counter()
     last = [-1e9]
 
@@ -382,7 +393,8 @@ def text_progress(label: str, *, stream=sys.stderr, every: float = 1.0) -> Calla
         el = now - t0
         frac = done / total if total else 1.0
         eta = el / frac - el if frac > 0 else float("nan")
-        stream.write(f"\r{label}: {done}/{total} ({100 * frac:5.1f}%) {el:6.0f}s elapsed, ~{eta:5.0f}s left ")
+        rate = f", {flops[done - 1] / el / 1e9:.1f} GFLOP/s" if flops is not None and 0 < done <= flops.size and el > 0 else ""
+        stream.write(f"\r{label}: {done}/{total} ({100 * frac:5.1f}%) {el:6.0f}s elapsed, ~{eta:5.0f}s left{rate} ")
         if done >= total:
             stream.write("\n")
         stream.flush()
