@@ -95,7 +95,8 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
     auto = fast_decode.auto_method(T - w - sinks)
     fns = {"dense": dense, "a2ats": a2ats(auto)}
     if both_methods:
-        for m in SELECT_METHODS:
+        from . import cuda_decode
+        for m in SELECT_METHODS + (("cuda",) if cuda_decode.usable() else ()):
             if m != auto:
                 fns["a2ats_" + m] = a2ats(m)
     res = interleaved(fns, reps=reps)

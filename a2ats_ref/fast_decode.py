@@ -60,7 +60,7 @@ __all__ = ["prepare_codebook", "decode_step_fast", "Selection", "selection_size"
 #: CPU only: on a GPU the host path costs a device->host copy of the LUT and is 6-9x slower (H200)
 HOST_SELECT_MIN = 32768
 
-METHODS = ("auto", "host", "mlx", "sortfree")
+METHODS = ("auto", "host", "mlx", "sortfree", "cuda")
 
 
 #: set A2ATS_TUNE_ALLOCATOR=0 to keep glibc's malloc thresholds as they are (enable_a2ats then leaves them)
@@ -68,11 +68,14 @@ TUNE_ALLOCATOR_ENV = "A2ATS_TUNE_ALLOCATOR"
 _allocator_tuned: bool | None = None   # None: not asked yet in this process
 
 
-def auto_method(n_candidates: int) -> str:
+def auto_method(n_candidates: int, G: int | None = None, d: int | None = None, dv: int | None = None) -> str:
     """method="auto": on the CPU, host selection from HOST_SELECT_MIN candidates, else in-graph argpartition
-    (both tuned there); on any other device the sort-free in-graph step (no CPU-tuned number decides it)."""
+    (both tuned there); on any other device the sort-free step (no CPU-tuned number decides it), with its
+    compaction and attention as CUDA kernels where ``cuda_decode.usable()`` (and the head shape fits them)."""
     if mx.default_device().type != mx.cpu:
-        return "sortfree"
+        from . import cuda_decode
+        fits = G is None or cuda_decode.shapes_supported(G, d, dv)
+        return "cuda" if fits and cuda_decode.usable() else "sortfree"
     return "host" if n_candidates >= HOST_SELECT_MIN else "mlx"
 
 
@@ -438,6 +441,46 @@ def _sortfree_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional,
     return mx.compile(step)
 
 
+@lru_cache(maxsize=64)
+def _cuda_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional, scale, tables, kept, sinks, w,
+                  lanes=(None,)):
+    """The sort-free step with its compaction and attention as CUDA kernels (cuda_decode): same LUT, counts and
+    levels, same slots; the attention reads the selected rows in place. Same call signature as
+    _sortfree_step_fn's step."""
+    from . import cuda_decode
+
+    BH, G = B * n_kv, n_q // n_kv
+    lut_fn = _lut_fn(B, n_kv, G, d, K, traditional, scale, tables)
+
+    def step(queries, keys, values, codes, CT, inv, b, pos, counts, kk, c0, c1, counted, n_slots, forced_idx,
+             scale_arr):
+        lut = lut_fn(queries, CT, inv, b, pos)
+        if kept:
+            cand = _candidate_counts(codes, counts, c0, c1, counted, BH=BH, K=K, T_codes=T_codes, sinks=sinks, w=w)
+        else:
+            cand = _counts_from_codes(codes, c0, c1, BH=BH, K=K, T_codes=T_codes)
+        levels, n1, n2 = sortfree_code_levels(lut, cand, kk)
+        idx, keep, n_sel = cuda_decode.compact(levels, n1.astype(mx.int32), n2.astype(mx.int32),
+                                               codes.reshape(BH, T_codes), c0, c1, S)
+        return cuda_decode.attend(queries, keys, values, idx, n_sel, forced_idx, scale_arr), idx, keep
+
+    compiled = mx.compile(step)
+    use = [compiled]
+
+    def run(*args):
+        # if mx.compile cannot trace the custom kernels on this MLX build, run the same ops eagerly (and say so)
+        try:
+            return use[0](*args)
+        except Exception as e:
+            if use[0] is step:
+                raise
+            cuda_decode.COMPILE_FALLBACK = f"{type(e).__name__}: {e}"
+            use[0] = step
+            return step(*args)
+
+    return run
+
+
 class Selection(NamedTuple):
     """The token set one decode step attended to, kept lazily (building the mask costs O(T)).
 
@@ -517,14 +560,19 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     BH, G, K = B * n_kv, n_q // n_kv, CT.shape[-1]
     if method == "auto":
-        method = auto_method(c1 - c0)
+        method = auto_method(c1 - c0, G, d, values.shape[-1])
     if method not in METHODS:
         raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
-    if method == "sortfree" and kk > 0:
-        return _decode_sortfree(queries, keys, values, codes, CT, inv, i=i, b=b, kk=kk, c0=c0, c1=c1, forced=forced,
-                                w=int(w), sinks=int(sinks), scale=scale, traditional=bool(traditional),
-                                n_tokens=n_tokens, applied_angle=applied_angle, code_counts=code_counts,
-                                return_mask=return_mask, return_selection=return_selection)
+    if method == "cuda":
+        from . import cuda_decode
+        if not (cuda_decode.on_cuda() and cuda_decode.shapes_supported(G, d, values.shape[-1])):
+            raise ValueError("method='cuda' needs MLX's CUDA backend as the default device and d == dv, a multiple "
+                             f"of 32 (got d={d}, dv={values.shape[-1]}, G={G}); use method='sortfree' elsewhere")
+    if method in ("sortfree", "cuda") and kk > 0:
+        return _decode_sortfree(queries, keys, values, codes, CT, inv, cuda=method == "cuda", i=i, b=b, kk=kk, c0=c0,
+                                c1=c1, forced=forced, w=int(w), sinks=int(sinks), scale=scale,
+                                traditional=bool(traditional), n_tokens=n_tokens, applied_angle=applied_angle,
+                                code_counts=code_counts, return_mask=return_mask, return_selection=return_selection)
     if kk > 0:
         f32 = mx.float32
         tables = applied_angle is not None
@@ -547,9 +595,9 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     return out, (sel if return_selection else sel.mask())
 
 
-def _decode_sortfree(queries, keys, values, codes, CT, inv, *, i, b, kk, c0, c1, forced, w, sinks, scale, traditional,
-                     n_tokens, applied_angle, code_counts, return_mask, return_selection):
-    """decode_step_fast's method="sortfree" (kk > 0): the arguments are checked; one compiled call."""
+def _decode_sortfree(queries, keys, values, codes, CT, inv, *, cuda=False, i, b, kk, c0, c1, forced, w, sinks, scale,
+                     traditional, n_tokens, applied_angle, code_counts, return_mask, return_selection):
+    """decode_step_fast's method="sortfree" or "cuda" (kk > 0): the arguments are checked; one compiled call."""
     B, n_q, _, d = queries.shape
     _, n_kv, T_buf, _ = keys.shape
     K, T_codes, n = CT.shape[-1], codes.shape[-1], i + 1
@@ -567,8 +615,9 @@ def _decode_sortfree(queries, keys, values, codes, CT, inv, *, i, b, kk, c0, c1,
     tables = applied_angle is not None
     pos = mx.stack(list(applied_angle)) if tables else mx.array(float(i), f32)
     S = sortfree_width(kk, n_q // n_kv, K, c1 - c0)
-    fn = _sortfree_step_fn(B, n_q, n_kv, d, values.shape[-1], K, T_buf, T_codes, S, len(forced), traditional,
-                           scale, tables, kept, sinks, w, _lanes())
+    make = _cuda_step_fn if cuda else _sortfree_step_fn
+    fn = make(B, n_q, n_kv, d, values.shape[-1], K, T_buf, T_codes, S, len(forced), traditional, scale, tables, kept,
+              sinks, w, _lanes())
     forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
     out, idx, keep = fn(queries, keys, values, codes, CT, inv.astype(f32), mx.array(float(b), f32), pos,
                         counts.astype(i32), mx.array(kk, i32), mx.array(c0, i32), mx.array(c1, i32),

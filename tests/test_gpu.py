@@ -135,3 +135,43 @@ def test_kmeans_repeats_bitwise_on_the_gpu():
     runs = [kmeans(z, 256, seed=0, max_iter=8) for _ in range(2)]
     assert np.array_equal(np.array(runs[0][0]), np.array(runs[1][0]))
     assert np.array_equal(np.array(runs[0][1]), np.array(runs[1][1]))
+
+
+# --------------------------------------------------------------------------- RET-DECODE's CUDA kernels
+from a2ats_ref import cuda_decode, fast_decode  # noqa: E402
+
+ON_CUDA = cuda_decode.on_cuda()
+
+
+def test_cuda_method_is_refused_off_cuda_with_what_to_use_instead():
+    if ON_CUDA:
+        pytest.skip("this machine has MLX CUDA: the refusal is for other devices")
+    x = mx.zeros((1, 4, 1, 64))
+    kv = mx.zeros((1, 2, 300, 64))
+    codes = mx.zeros((1, 2, 300), dtype=mx.uint16)
+    CT = fast_decode.prepare_codebook(mx.zeros((2, 16, 64)))
+    inv = mx.array((1.0 / 10000.0 ** (np.arange(0, 64, 2) / 64)).astype(np.float32))
+    with pytest.raises(ValueError, match="method='cuda' needs MLX's CUDA backend.*use method='sortfree'"):
+        fast_decode.decode_step_fast(x, kv, kv, codes, CT, query_pos=299, b=2048, w=8, sinks=2, topk=0.1,
+                                     inv_freqs=inv, traditional=False, method="cuda")
+    assert not cuda_decode.usable()
+    assert fast_decode.auto_method(10**6) in ("host", "mlx", "sortfree")
+
+
+def test_cuda_kernel_shapes_fit_the_block():
+    # d/32 dims per lane and per-warp partials in static shared memory: 8B (G 4, d 128) and SmolLM2 (3, 64) fit
+    assert cuda_decode.shapes_supported(4, 128, 128) and cuda_decode.shapes_supported(3, 64, 64)
+    assert not cuda_decode.shapes_supported(4, 80, 80)      # not a multiple of 32
+    assert not cuda_decode.shapes_supported(4, 128, 64)     # dv != d
+    assert not cuda_decode.shapes_supported(16, 256, 256)   # partials over the shared-memory budget
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend (the kernels are CUDA source)")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("T,n_q,n_kv,d,K", [(5000, 32, 8, 128, 256), (70000, 9, 3, 64, 4096), (1500, 4, 4, 32, 8)])
+def test_cuda_step_takes_the_portable_slots_and_attends_the_same(dtype, T, n_q, n_kv, d, K):
+    # Same slots exactly (indices and keep flags, ties included: K = 8 makes huge tie buckets), and the same
+    # attention to float32 rounding. A kernel that loses a ballot prefix, a block offset or a tie shows here.
+    diff = cuda_decode.compare_cuda_step(T=T, n_q=n_q, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=T)
+    assert diff["same_slots"], diff
+    assert diff["max_rel_err"] <= (1e-5 if dtype == mx.float32 else 1e-2), diff
