@@ -86,13 +86,13 @@ SPEED_PROFILES = {
     #        decode_step Ts            dtypes                  reps  cache-update Ts        e2e ctx  e2e tokens
     "full": dict(Ts=[4096, 16384, 65536], dtypes=["float32", "float16", "bfloat16"], reps=7,
                  upd_Ts=[1024, 4096, 16384, 65536], e2e_ctx=[8192, 16384, 32768], e2e_tokens=16, shape=None, K=4096,
-                 conformance=True, e2e_real_max=8192,
+                 conformance=True, e2e_real_max=8192, e2e_probe=2048,
                  lib_Ts=[16384, 65536], lib_dtypes=["float32"], lib_tokens=8, lib_rounds=3),
     "quick": dict(Ts=[4096, 16384], dtypes=["float32", "float16"], reps=3, upd_Ts=[1024, 4096, 16384],
-                  e2e_ctx=[1024, 2048], e2e_tokens=4, shape=None, K=4096, conformance=False, e2e_real_max=1024,
+                  e2e_ctx=[1024, 2048], e2e_tokens=4, shape=None, K=4096, conformance=False, e2e_real_max=1024, e2e_probe=256,
                   lib_Ts=[2048], lib_dtypes=["float32"], lib_tokens=2, lib_rounds=1),
     "tiny": dict(Ts=[512, 1024], dtypes=["float32"], reps=2, upd_Ts=[256, 1024],
-                 e2e_ctx=[], e2e_tokens=0, shape=dict(n_q=8, n_kv=2, d=32), K=256, conformance=False, e2e_real_max=0,
+                 e2e_ctx=[], e2e_tokens=0, shape=dict(n_q=8, n_kv=2, d=32), K=256, conformance=False, e2e_real_max=0, e2e_probe=0,
                  lib_Ts=[], lib_dtypes=[], lib_tokens=0, lib_rounds=0),
 }
 
@@ -128,7 +128,7 @@ def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=No
     if e2e and p["e2e_ctx"] and "e2e" in want:
         _log(f"end-to-end SmolLM2 decode at contexts {p['e2e_ctx']}")
         res["e2e_smollm2"] = bs.e2e_smollm2(ctxs=p["e2e_ctx"], n_tokens=p["e2e_tokens"],
-                                            real_prefill_max=p["e2e_real_max"])
+                                            real_prefill_max=p["e2e_real_max"], prefill_probe=p["e2e_probe"])
     if p["conformance"] and conformance and "conformance" in want:
         _log("conformance suite wall time (a2ats-conformance --profile ci)")
         res["conformance_ci_wall_s"] = bs.conformance_wall_time()
@@ -209,6 +209,14 @@ def speed_markdown(res: dict) -> str:
             lines.append(f"| {r['context']} | {r['prefill']} | {r['dense']['tokens_per_s']:.2f} | "
                          f"{r['a2ats']['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {bt['ideal_ratio']:.2f}x | "
                          f"{bt['dense'] / 1e6:.0f} | {bt['a2ats'] / 1e6:.0f} | {pf} | {ca} | {same} |")
+        lines += ["", "Prefill tok/s is the package's path (`A2ATSCache` through `enable_a2ats`: long causal prefills "
+                  "attend with `prefill.causal_attention_host`); the dense caches get the same keys/values."]
+        for r in e2e["rows"]:
+            pp = r.get("prefill_probe")
+            if pp:
+                lines.append(f"Prefill of the first {pp['tokens']} tokens at context {r['context']}, side by side: "
+                             f"mlx-lm's dense path {pp['mlx_lm_dense_tokens_per_s']:.1f} tok/s, the package's path "
+                             f"{pp['a2ats_tokens_per_s']:.1f} tok/s.")
     if "conformance_ci_wall_s" in res:
         lines += ["", f"Conformance suite (`a2ats-conformance --profile ci`) wall time: {res['conformance_ci_wall_s']}"]
     return "\n".join(lines) + "\n"

@@ -432,14 +432,26 @@ def _bytes_per_token(model, ctx: int, *, n_layers: int, n_q: int, n_kv: int, d: 
             "ideal_ratio": dense / a2ats}
 
 
+def _prefill(model, ids, caches, chunk: int) -> float:
+    """Feed ids (1, n) through the model's layers in chunks (hidden states only: the prompt's logits are
+    not needed); returns the seconds taken."""
+    t0 = time.perf_counter()
+    for s in range(0, ids.shape[1], chunk):
+        mx.eval(model.model(ids[:, s:s + chunk], cache=caches))
+        mx.eval([c.keys for c in caches])
+    return time.perf_counter() - t0
+
+
 def e2e_smollm2(*, ctxs=(4096,), n_tokens: int = 32, real_prefill_max: int = 8192, check_tokens: int = 16,
-                dequantize: bool = True, prefill_chunk: int = 1024) -> dict:
+                dequantize: bool = True, prefill_chunk: int = 1024, prefill_probe: int = 2048) -> dict:
     """Greedy decode on SmolLM2-135M at each context in ``ctxs``: dense ``KVCache`` against ``A2ATSCache``,
     side by side in one process (alternating token by token), the prefill paid once for both.
 
-    Contexts up to ``real_prefill_max`` get a real prefill of evaluation text (timed: prefill tokens/s; the
-    A2ATS caches take the same keys/values and assign their codes, also timed), and the first
-    ``check_tokens`` greedy tokens of both are compared. Longer contexts are filled with synthetic keys/values
+    Contexts up to ``real_prefill_max`` get a real prefill of evaluation text through the A2ATS caches (the
+    package's prefill path, timed: prefill tokens/s); the dense caches take the same keys/values, the A2ATS
+    caches then assign their codes (timed), and the first ``check_tokens`` greedy tokens of both are
+    compared. mlx-lm's own dense prefill and the package's are also timed side by side on the first
+    ``prefill_probe`` tokens (a whole dense prefill at 8K takes many minutes on a 2-core CPU). Longer contexts are filled with synthetic keys/values
     of the model's shapes and random codes (decode speed does not depend on their content); rows say which.
     Also reported: bytes read per token and the ideal ratio from bytes (_bytes_per_token).
     """
@@ -473,17 +485,21 @@ def e2e_smollm2(*, ctxs=(4096,), n_tokens: int = 32, real_prefill_max: int = 819
             a2ats = make_a2ats_cache(model, cb, cfg)
         n = ctx - 1
         if real:
-            t0 = time.perf_counter()
-            for s in range(0, n, prefill_chunk):
-                model(ids[:, s:min(s + prefill_chunk, n)], cache=dense)
-                mx.eval([c.state for c in dense])
-            row["prefill_s"] = time.perf_counter() - t0
+            m = min(prefill_probe, n)
+            if m:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    probe = {"mlx_lm_dense": make_prompt_cache(model), "a2ats": make_a2ats_cache(model, cb, cfg)}
+                secs = {name: _prefill(model, ids[:, :m], c, prefill_chunk) for name, c in probe.items()}
+                row["prefill_probe"] = {"tokens": m, **{f"{k}_tokens_per_s": m / v for k, v in secs.items()}}
+                del probe
+            row["prefill_s"] = _prefill(model, ids[:, :n], a2ats, prefill_chunk)
             row["prefill_tokens_per_s"] = n / row["prefill_s"]
-            t0 = time.perf_counter()
             for cd, ca in zip(dense, a2ats):
-                k, v, off = cd.state   # mlx-lm's KVCache: its whole buffers and the valid length
-                ca.update_and_fetch(k[..., :off, :], v[..., :off, :])
-                mx.eval(ca.codes_view())   # A2ATS's extra prefill work: one code per token and KV head
+                cd.update_and_fetch(*ca.keys_and_values())   # the same keys/values in mlx-lm's KVCache
+            mx.eval([c.keys for c in dense])
+            t0 = time.perf_counter()
+            mx.eval([ca.codes_view() for ca in a2ats])   # A2ATS's extra prefill work: one code per token and KV head
             row["a2ats_code_assignment_s"] = time.perf_counter() - t0
         else:
             for cd, ca in zip(dense, a2ats):
