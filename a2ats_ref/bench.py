@@ -186,6 +186,14 @@ def speed_markdown(res: dict) -> str:
                          f"{r['eager_over_deferred']:.1f}x |")
         if cu.get("note"):
             lines += ["", cu["note"]]
+        g = cu.get("assignment_gemm")
+        if g:
+            bound = ", ".join(f"{r['ratio_bound_at_blas_peak']:.1f}x at T = {r['T']}" for r in cu["rows"])
+            lines += ["", f"Exact assignment is {g['flops_per_token'] / 1e6:.1f} MFLOP per token (every codeword of "
+                      f"the token's KV head). The batch's distance GEMM alone ran at {g['batch_gemm_gflops']:.0f} "
+                      f"GFLOP/s ({g['batch_tokens']} tokens), a 1024³ GEMM at {g['blas_peak_gflops']:.0f} GFLOP/s "
+                      f"(BLAS peak here): {g['ms_per_token_at_peak'] * 1e3:.0f} µs per token at best. Eager over "
+                      f"(KVCache append + that floor), the most any exact batching can gain here: {bound}."]
     mem = res.get("memory")
     if mem:
         lines += ["", "## Bytes held (one layer)", "", "| T | KVCache | A2ATSCache | codebook (shared) |",

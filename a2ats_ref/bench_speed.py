@@ -364,7 +364,30 @@ def cache_update_table(Ts, *, shape=None, K: int = 4096, reps: int = 3, dtype: s
     note = (f"ms per token, amortised over {n} appended tokens (w = {w}); A2ATS codes are assigned in one batch "
             "when tokens leave the window; 'eager' codes each token on append (the cost before batching); "
             "flat in T means O(1) work per token")
-    return {"rows": rows, "dtype": dtype, "K": K, "w": w, "note": note}
+    gemm = assignment_gemm_bound(n_kv, d, K, n)
+    for row in rows:   # the best eager/batched ratio any exact batch could reach: KVCache's append + the GEMM at peak
+        row["ratio_bound_at_blas_peak"] = row["a2ats_eager_ms"] / (row["kvcache_ms"] + gemm["ms_per_token_at_peak"])
+    return {"rows": rows, "dtype": dtype, "K": K, "w": w, "note": note, "assignment_gemm": gemm}
+
+
+def assignment_gemm_bound(n_kv: int, d: int, K: int, n: int, *, repeats: int = 7) -> dict:
+    """The FLOP floor of exact batched code assignment (EQ-16): every token's distance to all K codewords of
+    its KV head, 2·n_kv·d·K FLOP per token. Measured here: the batch's distance GEMM alone, (n_kv, n, d) @
+    (n_kv, d, K), and a 1024³ GEMM as this machine's BLAS peak (best of ``repeats``, GFLOP/s)."""
+    from ._blas import matmul_gflops
+
+    z = mx.random.normal((n_kv, n, d))
+    CzT = mx.random.normal((n_kv, d, K))
+    mx.eval(z, CzT, z @ CzT)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(z @ CzT)
+        best = min(best, time.perf_counter() - t0)
+    flops = 2 * n_kv * d * K
+    peak = matmul_gflops(1024, 1024, 1024, repeats=repeats)
+    return {"flops_per_token": flops, "batch_tokens": n, "batch_gemm_gflops": flops * n / best / 1e9,
+            "blas_peak_gflops": peak, "ms_per_token_at_peak": flops / peak / 1e6}
 
 
 def memory_table(Ts, *, shape=None, K: int = 4096, dtype: str = "float16") -> dict:

@@ -33,7 +33,8 @@ def test_speed_quick_json_schema(tmp_path):
     assert [r["allocator_tuned"] for r in lib] == [True, True, False]
     assert "library default" in md.read_text()
     for r in res["cache_update"]["rows"]:
-        assert r["kvcache_ms"] > 0 and r["a2ats_ms"] > 0 and r["a2ats_eager_ms"] > 0
+        assert r["kvcache_ms"] > 0 and r["a2ats_ms"] > 0 and r["a2ats_eager_ms"] > 0 and r["ratio_bound_at_blas_peak"] > 0
+    assert res["cache_update"]["assignment_gemm"]["flops_per_token"] == 2 * 8 * 128 * 4096   # n_kv · d · K at 8B shapes
     for r in res["memory"]["rows"]:
         assert r["a2ats_bytes"] > r["kvcache_bytes"]
     assert "| T | dtype | dense ms |" in md.read_text()
@@ -45,6 +46,7 @@ def test_speed_quick_json_schema(tmp_path):
         assert bt["dense"] == bt["weights"] + bt["dense_kv"] and bt["ideal_ratio"] > 0
     real = e2e["rows"][0]
     assert real["prefill_tokens_per_s"] > 0 and len(real["greedy_tokens"]["dense"]) == 4
+    assert real["prefill_probe"]["mlx_lm_dense_tokens_per_s"] > 0 and real["prefill_probe"]["a2ats_tokens_per_s"] > 0
 
 
 def test_speed_T_chooses_the_context_lengths(tmp_path):
