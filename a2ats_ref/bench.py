@@ -217,6 +217,16 @@ def speed_markdown(res: dict) -> str:
             lines.append(f"| {r['context']} | {r['prefill']} | {r['dense']['tokens_per_s']:.2f} | "
                          f"{r['a2ats']['tokens_per_s']:.2f} | {r['speedup']:.2f}x | {bt['ideal_ratio']:.2f}x | "
                          f"{bt['dense'] / 1e6:.0f} | {bt['a2ats'] / 1e6:.0f} | {pf} | {ca} | {same} |")
+        lines += ["", "Where a token's time goes (median ms per generated token): outside long-context attention (a "
+                  "dense cache held at 64 tokens, stepped in the same rotation: weights, norms, MLP, LM head, Python), "
+                  "then the rest of each step, i.e. the attention over the context:", "",
+                  "| context | outside attention ms | dense attention ms | A2ATS attention ms | attention ratio |",
+                  "|---:|---:|---:|---:|---:|"]
+        for r in e2e["rows"]:
+            if "outside_attention_ms" in r:
+                da, aa = r["dense"]["attention_ms"], r["a2ats"]["attention_ms"]
+                lines.append(f"| {r['context']} | {r['outside_attention_ms']:.1f} | {da:.1f} | {aa:.1f} | "
+                             f"{da / aa if aa > 0 else float('nan'):.2f}x |")
         lines += ["", "Prefill tok/s is the package's path (`A2ATSCache` through `enable_a2ats`: long causal prefills "
                   "attend with `prefill.causal_attention_host`); the dense caches get the same keys/values."]
         for r in e2e["rows"]:
