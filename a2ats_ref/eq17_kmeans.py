@@ -9,8 +9,8 @@ which keeps the objective non-increasing and every codeword in use.
 Scale: calibration runs N ~ 80K points, K = 4096, d = 64 per (layer, KV head).
 Distances use ||z||^2 - 2 z C^T + ||C||^2 on row chunks so the N x K matrix is
 never held at once (BLOCK_ROWS rows: one GEMM, then NumPy's argmin of that block);
-k-means++ skips points a new centre cannot reach (triangle inequality), which is exact and makes
-seeding O(N) per centre instead of O(N d).
+k-means++ skips points a new centre cannot reach (triangle inequality, then a lower bound from projections on
+the leading principal directions), which is exact and makes seeding O(N) per centre instead of O(N d).
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def kmeanspp_init(z, K: int, uniforms) -> mx.array:
     d2 = np.sum(np.square(zn - centres[0]), axis=-1)
     z2 = np.sum(np.square(zn), axis=-1)
     near = np.zeros(N, dtype=np.int64)  # index (into centres) of each point's nearest centre
+    proj = _principal_projection(zn)
     # Per point: a centre c can only come closer if ||c - c_near||^2 < 4 D^2 (triangle inequality); the margin
     # absorbs float32 rounding in D^2.
     reach = 4.0 * d2.astype(np.float64) * (1.0 + 1e-5) + 1e-30
@@ -116,7 +117,12 @@ def kmeanspp_init(z, K: int, uniforms) -> mx.array:
         # ||c_j - c||^2 by expansion in float64: errors ~1e-16 of the norms, far inside the 1e-5 margin.
         cc = cn2[:t] - 2.0 * np.einsum("ij,j->i", c64[:t], c64[t]) + cn2[t]  # einsum: no BLAS threads
         idx = np.flatnonzero(cc[near] < reach)
-        if idx.size > N // 4:
+        # Projections on the leading principal directions bound the distance from below: ||P^T (x - c)|| <=
+        # ||x - c||. On calibration keys (anisotropic) this drops most survivors of the triangle test while
+        # reading PROJ_DIMS numbers per point, not d.
+        if idx.size <= N // 4:
+            idx = idx[np.sum(np.square(proj[idx] - proj[n]), axis=-1) < d2[idx] * (1.0 + 1e-5) + 1e-30]
+        else:
             # Weak pruning (early centres are far apart): screen every point with one matrix-vector product,
             # with a margin for its rounding, then measure the survivors directly.
             cn = float(cn2[t])
@@ -131,6 +137,19 @@ def kmeanspp_init(z, K: int, uniforms) -> mx.array:
             reach[hit] = 4.0 * dn[closer].astype(np.float64) * (1.0 + 1e-5) + 1e-30
             tree.update(hit, d2)
     return mx.array(centres)
+
+
+#: principal directions kept for k-means++'s lower bound (on SmolLM2 keys in z-space the top 8 hold ~95% of
+#: the variance, and the bound passed 0.2-7% of the points that the triangle test passed 5-30% of)
+PROJ_DIMS = 8
+
+
+def _principal_projection(zn: np.ndarray) -> np.ndarray:
+    """(N, PROJ_DIMS) float64 coordinates of z on its leading principal directions (orthonormal)."""
+    z64 = zn.astype(np.float64)
+    cov = np.atleast_2d(np.cov(z64, rowvar=False)) if zn.shape[0] > 1 else np.zeros((zn.shape[1],) * 2)
+    _, vecs = np.linalg.eigh(cov)  # ascending eigenvalues
+    return z64 @ vecs[:, ::-1][:, :PROJ_DIMS]
 
 
 class _CumWeights:

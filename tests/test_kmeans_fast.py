@@ -7,7 +7,9 @@ import a2ats_ref  # noqa: F401  (first: its __init__ loads the fast BLAS before 
 import numpy as np
 import pytest
 
-from a2ats_ref.eq17_kmeans import _CumWeights
+import mlx.core as mx
+
+from a2ats_ref.eq17_kmeans import _CumWeights, kmeanspp_init
 
 
 def _sequential(w, u):
@@ -32,3 +34,28 @@ def test_block_sums_pick_as_the_sequential_cumsum(N):
         idx = np.unique(rng.integers(0, N, max(1, N // 10)))
         w[idx] = (w[idx] * rng.uniform(0, 1, idx.size)).astype(np.float32)  # D^2 only shrinks
         tree.update(idx, w)
+
+
+def _plain_kmeanspp(zn, K, u):
+    """EQ-17-INIT without pruning, in the implementation's arithmetic (float32 D^2, float64 cumsum)."""
+    N = zn.shape[0]
+    chosen = [min(int(np.floor(u[0] * N)), N - 1)]
+    d2 = np.sum(np.square(zn - zn[chosen[0]]), axis=-1)
+    for t in range(1, K):
+        chosen.append(_sequential(d2, u[t]))
+        d2 = np.minimum(d2, np.sum(np.square(zn - zn[chosen[-1]]), axis=-1))
+    return zn[chosen]
+
+
+@pytest.mark.parametrize("spread", [0.05, 1.0])
+def test_pruned_kmeanspp_picks_as_the_plain_rule(spread):
+    # Anisotropic clusters (a few dominant directions, like calibration keys) and near-isotropic ones: the
+    # triangle test, the principal-projection bound and the full screen each decide some centres.
+    rng = np.random.default_rng(0)
+    N, d, K = 3000, 16, 300
+    scales = np.maximum(0.6 ** np.arange(d), spread)
+    centres = rng.normal(size=(40, d)) * scales * 4
+    zn = (centres[rng.integers(0, 40, N)] + rng.normal(size=(N, d)) * scales).astype(np.float32)
+    u = np.random.default_rng(1).random(K)
+    got = np.array(kmeanspp_init(mx.array(zn), K, u))
+    np.testing.assert_array_equal(got, _plain_kmeanspp(zn, K, u))
