@@ -352,6 +352,10 @@ class A2ATSCache(_BaseCache):
             self._counts = mx.zeros(self.codes.shape[:2] + (self.codebook.K,), dtype=mx.int32)
         if e > s:
             self._counts = self._counts + sign * code_counts(self.codes[..., s:e], self.codebook.K)
+            # evaluated now: a lazy count would hold this version of the code buffer, so the next write into
+            # it could not happen in place (an O(T) copy per batch) and the graph would grow for every batch
+            # on paths that never read the counts (the CPU's "mlx" and "host" selections)
+            mx.eval(self._counts)
 
     def _grow(self, keys, values, prev, t):
         B, n_kv, _, dk = keys.shape
