@@ -146,45 +146,50 @@ def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, *, sca
 
     Why not mx.fast.scaled_dot_product_attention: on MLX's Linux CPU backend its softmax calls a scalar
     exp (~80M/s measured, against ~2G/s for NumPy's SIMD exp), so a 16K-token calibration document spent
-    most of its collection time in exp. Here MLX's BLAS forms the scores block by block (``rows`` query rows
-    x ``block`` keys), NumPy exponentiates each block in place, and an online softmax (running max,
-    rescaled per key block) combines the blocks; the row sums come out of the P V GEMM as one more column
-    (V is extended by ones). Same value as the fused kernel up to float32 rounding.
-    queries (B, n_q, Tq, d), keys (B, n_kv, Tk, d), values (B, n_kv, Tk, dv), Tq <= Tk.
+    most of its collection time in exp. Here MLX's BLAS forms the scores block by block (``block`` keys x
+    ``rows`` query rows, keys first: S^T = K Q^T), NumPy exponentiates each block in place, and an online
+    softmax (running max, rescaled per key block) combines the blocks. The weighted values come from
+    [V, 1]^T P^T, whose last row is the softmax's denominator; in this orientation OpenBLAS runs the GEMM
+    on both cores (P [V, 1] with 65 output columns ran on one). Same value as the fused kernel up to
+    float32 rounding. queries (B, n_q, Tq, d), keys (B, n_kv, Tk, d), values (B, n_kv, Tk, dv), Tq <= Tk.
     """
     B, n_q, Tq, d = queries.shape
     n_kv, Tk, dv = keys.shape[1], keys.shape[2], values.shape[-1]
     G = n_q // n_kv
-    qs = (queries * scale).reshape(B, n_kv, G * Tq, d)  # GQA: the group's heads share one score GEMM
-    kt = mx.swapaxes(keys, -1, -2)
-    v1 = mx.concatenate([values, mx.ones(values.shape[:-1] + (1,), values.dtype)], axis=-1)
-    mx.eval(qs, kt, v1)
+    qt = mx.swapaxes((queries * scale).reshape(B, n_kv, G * Tq, d), -1, -2)  # GQA: a group shares one GEMM
+    vt = mx.swapaxes(mx.concatenate([values, mx.ones(values.shape[:-1] + (1,), values.dtype)], axis=-1), -1, -2)
+    mx.eval(qt, keys, vt)
     last = np.tile(np.arange(Tk - Tq, Tk), G)  # last key each row (group head g, query t) may see
     out = np.empty((B, n_kv, G * Tq, dv), np.float32)
     for b in range(B):
         for h in range(n_kv):
             for r in range(0, G * Tq, rows):
-                q, lim = qs[b, h, r : r + rows], last[r : r + rows]
-                run_max = np.full((lim.size, 1), -np.inf, np.float32)
-                acc = np.zeros((lim.size, dv + 1), np.float32)  # [sum_j p_j v_j, sum_j p_j]
-                for s in range(0, int(lim.max()) + 1, block):
+                q, lim = qt[b, h, :, r : r + rows], last[r : r + rows]
+                run_max = np.full(lim.size, -np.inf, np.float32)
+                acc = np.zeros((dv + 1, lim.size), np.float32)  # [sum_j p_j v_j ; sum_j p_j], one column per row
+                starts = range(0, int(lim.max()) + 1, block)
+                nxt = keys[b, h, : block] @ q
+                for i, s in enumerate(starts):
                     e = min(s + block, Tk)
-                    scores = q @ kt[b, h, :, s:e]
+                    scores = nxt
                     mx.eval(scores)
-                    # Exponentiated in place in MLX's buffer, which the P V product below then reads: `scores`
+                    if i + 1 < len(starts):  # MLX forms the next block (one BLAS thread) while NumPy works on this one
+                        nxt = keys[b, h, e : e + block] @ q
+                        mx.async_eval(nxt)
+                    # Exponentiated in place in MLX's buffer, which the product below then reads: `scores`
                     # is this function's own evaluated array, so nothing else sees the change, and no copy.
                     p = np.array(scores, copy=False)
                     if e - 1 > lim.min():
-                        p[np.arange(s, e)[None, :] > lim[:, None]] = -np.inf
-                    new_max = np.maximum(run_max, p.max(axis=-1, keepdims=True))  # finite: key 0 is always seen
+                        p[np.arange(s, e)[:, None] > lim[None, :]] = -np.inf
+                    new_max = np.maximum(run_max, p.max(axis=0))  # finite: key 0 is always seen
                     np.subtract(p, new_max, out=p)
                     np.exp(p, out=p)
-                    pv = scores @ v1[b, h, s:e]
+                    pv = vt[b, h, :, s:e] @ scores
                     mx.eval(pv)
                     acc *= np.exp(run_max - new_max)
                     acc += np.array(pv, copy=False)
                     run_max = new_max
-                out[b, h, r : r + rows] = acc[:, :dv] / acc[:, dv:]
+                out[b, h, r : r + rows] = (acc[:dv] / acc[dv:]).T
     return mx.array(out).reshape(B, n_q, Tq, dv).astype(queries.dtype)
 
 
