@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -38,7 +39,7 @@ from .codebook import Codebook, model_identity
 from .corpus import build_corpus
 from .eq15_cholesky import cholesky
 from .eq16_z_transform import z_transform
-from .eq17_kmeans import kmeans, phase_stats
+from .eq17_kmeans import init_flop, kmeans, phase_stats, seed_centres
 from .fileio import check_writable
 
 DEFAULTS = dict(tokens=65536, codebook_size=4096, b=2048, seed=0, uuid_fraction=0.25, seq_len=16384, packing="documents",
@@ -233,48 +234,68 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
     km_stats: dict = {}   # k-means++ and Lloyd seconds and nominal FLOPs, summed over the heads fitted here
     n_heads_total = n_layers * n_kv
     t_fit0 = time.perf_counter()
-    for l in range(n_layers):
-        cached = _load_partial(partial, l, settings) if partial is not None else None
-        if cached is not None:
-            cz, L, its, objs, rels = cached
-            _log(f"layer {l}: reused from {partial}", quiet)
-        else:
-            L = L_all[l]
-            cz_heads, its, objs, rels = [], [], [], []
-            for h in range(n_kv):
-                t0 = time.perf_counter()
-                z = z_transform(mx.array(col.keys[l][h]), L[h])  # EQ-16
-                head_stats: dict = {}
-                C, _, hist = kmeans(z, K, seed=head_seed(seed, l, h), max_iter=max_iter, tol=tol,
-                                    stats=head_stats, assign=False)  # EQ-17
-                for k, v in head_stats.items():
-                    km_stats[k] = km_stats.get(k, 0) + v
-                hs = phase_stats(head_stats)
-                mx.eval(C)
-                dt = time.perf_counter() - t0
-                t_kmeans += dt
-                cz_heads.append(C)
-                its.append(len(hist))
-                objs.append(float(hist[-1]) if len(hist) else float("nan"))
-                rel = (hist[-2] - hist[-1]) / hist[-2] if len(hist) >= 2 and hist[-2] > 0 else 0.0
-                rels.append(float(rel))
-                done = l * n_kv + h + 1
-                el = time.perf_counter() - t_fit0
-                _log(
-                    f"k-means layer {l} head {h}: {len(hist)} steps, objective {objs[-1]:.4g} "
-                    f"(last step -{100 * rels[-1]:.3f}%), {dt:.1f}s (k-means++ {hs['kmeans_init_s']}s "
-                    f"{hs['kmeans_init_gflops']} GFLOP/s, Lloyd {hs['kmeans_lloyd_s']}s {hs['kmeans_lloyd_gflops']} GFLOP/s) "
-                    f"[{done}/{n_heads_total} heads, {el:.0f}s, ~{el / done * (n_heads_total - done):.0f}s left]",
-                    quiet,
-                )
-            cz = mx.stack(cz_heads)
-            if partial is not None:
-                _save_partial(partial, l, settings, cz, L, its, objs, rels)
-        cz_layers.append(cz)
-        L_layers.append(L)
-        iters.append(its)
-        objectives.append(objs)
-        last_rel.append(rels)
+    cached = [_load_partial(partial, l, settings) if partial is not None else None for l in range(n_layers)]
+    todo = [(l, h) for l in range(n_layers) if cached[l] is None for h in range(n_kv)]
+    # k-means++ (NumPy, one core) of the next head runs in a worker thread while this head's Lloyd steps run
+    # (MLX's BLAS): the same centres as in sequence, in less wall time on a 2-core machine.
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kmeans++")
+    ahead: dict = {}
+
+    def seed_ahead(i: int) -> None:
+        if i < len(todo) and i not in ahead:
+            l, h = todo[i]
+            z = z_transform(mx.array(col.keys[l][h]), L_all[l][h])  # EQ-16
+            ahead[i] = (z, pool.submit(_timed_seed, np.array(z), K, head_seed(seed, l, h)))
+
+    try:
+        for l in range(n_layers):
+            if cached[l] is not None:
+                cz, L, its, objs, rels = cached[l]
+                _log(f"layer {l}: reused from {partial}", quiet)
+            else:
+                L = L_all[l]
+                cz_heads, its, objs, rels = [], [], [], []
+                for h in range(n_kv):
+                    t0 = time.perf_counter()
+                    i = todo.index((l, h))
+                    seed_ahead(i)
+                    z, fut = ahead.pop(i)
+                    seed_ahead(i + 1)
+                    C0, init_s = fut.result()
+                    head_stats: dict = {"init_s": init_s, "init_flop": init_flop(z.shape[0], z.shape[1], K)}
+                    C, _, hist = kmeans(z, K, seed=head_seed(seed, l, h), max_iter=max_iter, tol=tol,
+                                        stats=head_stats, assign=False, init=C0)  # EQ-17
+                    for k, v in head_stats.items():
+                        km_stats[k] = km_stats.get(k, 0) + v
+                    hs = phase_stats(head_stats)
+                    mx.eval(C)
+                    dt = time.perf_counter() - t0
+                    t_kmeans += dt
+                    cz_heads.append(C)
+                    its.append(len(hist))
+                    objs.append(float(hist[-1]) if len(hist) else float("nan"))
+                    rel = (hist[-2] - hist[-1]) / hist[-2] if len(hist) >= 2 and hist[-2] > 0 else 0.0
+                    rels.append(float(rel))
+                    done = l * n_kv + h + 1
+                    el = time.perf_counter() - t_fit0
+                    _log(
+                        f"k-means layer {l} head {h}: {len(hist)} steps, objective {objs[-1]:.4g} "
+                        f"(last step -{100 * rels[-1]:.3f}%), {dt:.1f}s (k-means++ {hs['kmeans_init_s']}s "
+                        f"{hs['kmeans_init_gflops']} GFLOP/s in the worker, Lloyd {hs['kmeans_lloyd_s']}s "
+                        f"{hs['kmeans_lloyd_gflops']} GFLOP/s) "
+                        f"[{done}/{n_heads_total} heads, {el:.0f}s, ~{el / done * (n_heads_total - done):.0f}s left]",
+                        quiet,
+                    )
+                cz = mx.stack(cz_heads)
+                if partial is not None:
+                    _save_partial(partial, l, settings, cz, L, its, objs, rels)
+            cz_layers.append(cz)
+            L_layers.append(L)
+            iters.append(its)
+            objectives.append(objs)
+            last_rel.append(rels)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     timings["moment_cholesky_s"] = round(t_moment, 2)
     timings["kmeans_s"] = round(t_kmeans, 2)
     timings.update(phase_stats(km_stats))   # effective GFLOP/s of k-means++ and of the Lloyd steps
@@ -299,6 +320,11 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
         "blas": {k: _blas.blas_status().get(k) for k in ("source", "effective")},
     }
     return Codebook(cz_layers, L_layers, meta)
+
+
+def _timed_seed(zn: np.ndarray, K: int, seed: int) -> tuple[np.ndarray, float]:
+    t0 = time.perf_counter()
+    return seed_centres(zn, K, seed), time.perf_counter() - t0
 
 
 def _groups(sequences, checkpoint_tokens: int) -> list:

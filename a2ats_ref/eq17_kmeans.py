@@ -77,8 +77,22 @@ def nearest(z: mx.array, C: mx.array) -> tuple[mx.array, mx.array]:
 def kmeanspp_init(z, K: int, uniforms) -> mx.array:
     """EQ-17-INIT: k-means++ centres (K, d) from explicit uniforms u (K,) in [0, 1)."""
     z = _points(z)
-    N = z.shape[0]
+    return mx.array(_kmeanspp(np.array(z), checks.check_pos_int(K, "K"), uniforms))
+
+
+def seed_centres(zn: np.ndarray, K: int, seed: int) -> np.ndarray:
+    """EQ-17-FIT's C_0 for ``seed``: kmeanspp_init with numpy.random.default_rng(seed).random(K), NumPy in and
+    out (float32 (N, d) -> (K, d)). It calls no MLX, so it may run in a worker thread while MLX works;
+    pass the result to kmeans(init=...)."""
+    zn = np.asarray(zn, dtype=np.float32)
+    if zn.ndim != 2 or zn.shape[0] < 1 or zn.shape[1] < 1:
+        raise ValueError(f"z: expected points of shape (N, d) with N, d >= 1, got shape {zn.shape}")
     K = checks.check_pos_int(K, "K")
+    return _kmeanspp(zn, K, np.random.default_rng(checks.check_nonneg_int(seed, "seed")).random(K))
+
+
+def _kmeanspp(zn: np.ndarray, K: int, uniforms) -> np.ndarray:
+    N = zn.shape[0]
     u = np.asarray(uniforms, dtype=np.float64)
     if u.shape != (K,):
         raise ValueError(f"uniforms: expected shape ({K},) (one uniform per centre), got {u.shape}")
@@ -86,7 +100,6 @@ def kmeanspp_init(z, K: int, uniforms) -> mx.array:
         raise ValueError("uniforms: every value must lie in [0, 1)")
     if N < K:
         raise ValueError(f"z: need at least K={K} points, got N={N}")
-    zn = np.array(z)
     n_distinct = np.unique(zn, axis=0).shape[0]
     if n_distinct < K:
         raise ValueError(f"z: need at least K={K} distinct points for k-means++, got {n_distinct}")
@@ -136,7 +149,7 @@ def kmeanspp_init(z, K: int, uniforms) -> mx.array:
             near[hit] = t
             reach[hit] = 4.0 * dn[closer].astype(np.float64) * (1.0 + 1e-5) + 1e-30
             tree.update(hit, d2)
-    return mx.array(centres)
+    return centres
 
 
 #: principal directions kept for k-means++'s lower bound (on SmolLM2 keys in z-space the top 8 hold ~95% of
@@ -339,6 +352,7 @@ class _BoundedLloyd:
 def kmeans(
     z, K: int, *, seed: int, max_iter: int = 300, tol: float = 1e-4,
     progress: Callable[[int, float], None] | None = None, stats: dict | None = None, assign: bool = True,
+    init: np.ndarray | None = None,
 ) -> tuple[mx.array, mx.array | None, np.ndarray]:
     """EQ-17-FIT: (C (K, d), codes (N,), history of objectives).
 
@@ -347,6 +361,8 @@ def kmeans(
     The steps are EQ-17-STEP's, computed with exact pruning bounds (see _BoundedLloyd).
     stats: if a dict is given, phase times are added to it (see phase_stats).
     assign=False returns codes None and skips their pass over the N x K distances (a calibration keeps only C).
+    init: C_0 computed ahead by seed_centres(z, K, seed) (a2ats-calibrate seeds the next head in a worker
+    thread while this one runs its Lloyd steps); its time is then the caller's to count.
     """
     z = _points(z)
     K = checks.check_codebook_size(K)
@@ -356,9 +372,13 @@ def kmeans(
         raise ValueError(f"tol: expected a finite number >= 0, got {tol!r}")
     if z.shape[0] < K:
         raise ValueError(f"z: need at least K={K} points, got N={z.shape[0]}")
-    uniforms = np.random.default_rng(seed).random(K)
     t0 = time.perf_counter()
-    C = kmeanspp_init(z, K, uniforms)
+    if init is None:
+        C = kmeanspp_init(z, K, np.random.default_rng(seed).random(K))
+    else:
+        C = mx.array(np.asarray(init, dtype=np.float32))
+        if C.shape != (K, z.shape[1]):
+            raise ValueError(f"init: expected centres of shape ({K}, {z.shape[1]}) from seed_centres, got {C.shape}")
     mx.eval(C)
     t1 = time.perf_counter()
     lloyd = _BoundedLloyd(z, K)
@@ -377,13 +397,20 @@ def kmeans(
         mx.eval(codes)
     if stats is not None:
         N, d = z.shape
-        add = {"init_s": t1 - t0, "lloyd_s": time.perf_counter() - t1, "steps": len(history),
-               # nominal work: k-means++ measures N points per centre, each Lloyd step (and the final
-               # assignment) N x K distances; pruning skips part of it, so these are effective rates
-               "init_flop": 3.0 * N * d * K, "lloyd_flop": 2.0 * N * K * d * (len(history) + int(assign))}
+        add = {"init_s": t1 - t0 if init is None else 0.0, "lloyd_s": time.perf_counter() - t1, "steps": len(history),
+               # nominal work: each Lloyd step (and the final assignment) N x K distances; pruning skips part
+               # of it, so these are effective rates
+               "init_flop": init_flop(N, d, K) if init is None else 0.0,
+               "lloyd_flop": 2.0 * N * K * d * (len(history) + int(assign))}
         for k, v in add.items():
             stats[k] = stats.get(k, 0) + v
     return C, None if codes is None else codes.astype(mx_code_dtype(K)), np.asarray(history)
+
+
+def init_flop(N: int, d: int, K: int) -> float:
+    """Nominal FLOPs of k-means++ (N points measured against each of K centres, 3 d each); with pruning, rates
+    from it are effective rates."""
+    return 3.0 * N * d * K
 
 
 def phase_stats(stats: dict) -> dict:

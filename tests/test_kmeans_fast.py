@@ -59,3 +59,17 @@ def test_pruned_kmeanspp_picks_as_the_plain_rule(spread):
     u = np.random.default_rng(1).random(K)
     got = np.array(kmeanspp_init(mx.array(zn), K, u))
     np.testing.assert_array_equal(got, _plain_kmeanspp(zn, K, u))
+
+
+def test_fit_from_centres_seeded_ahead_is_the_same_fit():
+    # a2ats-calibrate seeds in a worker thread (seed_centres, NumPy only) and passes the centres as init.
+    from a2ats_ref.eq17_kmeans import kmeans, seed_centres
+
+    zn = np.random.default_rng(5).normal(size=(600, 8)).astype(np.float32)
+    C, _, hist = kmeans(mx.array(zn), 40, seed=11, max_iter=6)
+    C2, codes, hist2 = kmeans(mx.array(zn), 40, seed=11, max_iter=6, init=seed_centres(zn, 40, 11), assign=False)
+    np.testing.assert_array_equal(np.array(C2), np.array(C))
+    np.testing.assert_array_equal(hist2, hist)
+    assert codes is None
+    with pytest.raises(ValueError, match="init: expected centres of shape"):
+        kmeans(mx.array(zn), 40, seed=11, init=np.zeros((39, 8), np.float32))
