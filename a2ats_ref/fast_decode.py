@@ -234,6 +234,8 @@ def code_counts(codes: mx.array, K: int) -> mx.array:
     load), so the sort-free step never counts T codes. Integer scatter-add: exact on every backend.
     """
     lead, t = codes.shape[:-1], codes.shape[-1]
+    if t == 0:   # no tokens: no scatter over an empty index array (MLX CUDA 0.32 mishandles empty arrays)
+        return mx.zeros((*lead, K), dtype=mx.int32)
     rows = math.prod(lead)
     flat = codes.reshape(rows, t).astype(mx.int32) + (mx.arange(rows, dtype=mx.int32) * K)[:, None]
     counts = mx.zeros((rows * K,), dtype=mx.int32).at[flat.reshape(-1)].add(mx.array(1, dtype=mx.int32))
@@ -312,8 +314,13 @@ def _sortfree_select(lut, codes, counts, kk, c0, c1, n_slots, *, BH, T_codes, S)
 def _candidate_counts(codes, counts, c0, c1, counted, *, BH, K, T_codes, sinks, w):
     """Counts of the candidates [c0, c1) from counts over the coded tokens [0, counted), c1 <= counted <= c1 + w:
     minus the sinks [0, c0) (c0 <= sinks) and the coded window tail [c1, counted). Touches sinks + w codes."""
-    p = mx.concatenate([mx.arange(sinks, dtype=mx.int32), c1 + mx.arange(w, dtype=mx.int32)])
-    drop = mx.concatenate([mx.arange(sinks) < c0, mx.arange(w) < counted - c1]).astype(mx.int32)
+    # sinks and w are static: only non-empty parts enter the graph (MLX CUDA 0.32 mishandles empty arrays)
+    parts = ([(mx.arange(sinks, dtype=mx.int32), mx.arange(sinks) < c0)] if sinks else []) + \
+            ([(c1 + mx.arange(w, dtype=mx.int32), mx.arange(w) < counted - c1)] if w else [])
+    if not parts:
+        return counts.reshape(BH, K)
+    p = mx.concatenate([q for q, _ in parts]) if len(parts) > 1 else parts[0][0]
+    drop = (mx.concatenate([m for _, m in parts]) if len(parts) > 1 else parts[0][1]).astype(mx.int32)
     at = mx.take(codes.reshape(BH, T_codes), mx.where(drop > 0, p, 0), axis=-1).astype(mx.int32)
     rows = mx.broadcast_to(mx.arange(BH, dtype=mx.int32)[:, None], at.shape)
     return counts.reshape(BH, K).at[rows, at].add(-mx.broadcast_to(drop[None], at.shape))
@@ -462,7 +469,7 @@ def _cuda_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional, sca
         levels, n1, n2 = sortfree_code_levels(lut, cand, kk)
         idx, keep, n_sel = cuda_decode.compact(levels, n1.astype(mx.int32), n2.astype(mx.int32),
                                                codes.reshape(BH, T_codes), c0, c1, S)
-        return cuda_decode.attend(queries, keys, values, idx, n_sel, forced_idx, scale_arr), idx, keep
+        return cuda_decode.attend(queries, keys, values, idx, n_sel, forced_idx if F else None, scale_arr), idx, keep
 
     compiled = mx.compile(step)
     use = [compiled]
@@ -619,9 +626,11 @@ def _decode_sortfree(queries, keys, values, codes, CT, inv, *, cuda=False, i, b,
     fn = make(B, n_q, n_kv, d, values.shape[-1], K, T_buf, T_codes, S, len(forced), traditional, scale, tables, kept,
               sinks, w, _lanes())
     forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
+    # no empty array enters the GPU graph (MLX CUDA 0.32 mishandles them); with F = 0 the step ignores this input
+    forced_in = forced_idx if len(forced) else mx.zeros((1,), dtype=i32)
     out, idx, keep = fn(queries, keys, values, codes, CT, inv.astype(f32), mx.array(float(b), f32), pos,
                         counts.astype(i32), mx.array(kk, i32), mx.array(c0, i32), mx.array(c1, i32),
-                        mx.array(counted, i32), mx.array(S, i32), forced_idx, mx.array(scale, dtype=f32))
+                        mx.array(counted, i32), mx.array(S, i32), forced_in, mx.array(scale, dtype=f32))
     if not (return_mask or return_selection):
         return out
     sel = Selection(idx, keep, forced_idx, (B, n_kv, n_tokens))
