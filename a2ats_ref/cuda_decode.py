@@ -12,9 +12,10 @@ order, cut at S slots. Only two parts change, each a pass over memory that plain
   (max, sum, weighted V) per block; a few MLX ops merge the partials. Same exact attention over the same set
   as ``fast_decode._attend_fn``, summed in another order (float32 rounding apart).
 
-``fast_decode`` uses this for method="cuda", which "auto" takes on a CUDA device once ``usable()`` has
-checked, in this process, that the kernels compile and reproduce the portable step (same slots, outputs
-equal to float32 tolerance). Anything else (Metal, CPU, a head dim not a multiple of 32, shapes too large
+``fast_decode`` uses this for method="cuda" (asked for explicitly; "auto" keeps the portable step, which was
+as fast on the H200). ``usable()`` checks, once per process, that the kernels compile and reproduce the
+portable step (same slots, outputs equal to float32 tolerance); ``a2ats-bench speed`` times the method beside
+the others only then. Anything else (Metal, CPU, a head dim not a multiple of 32, shapes too large
 for the block's shared memory) runs the portable sort-free step, which the conformance suite checks on every
 backend. The kernels are JIT-compiled by NVRTC once per dtype and head shape; every per-step number (T, the
 candidate range, the slot count) is data, so decoding never recompiles.

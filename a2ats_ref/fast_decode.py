@@ -70,12 +70,13 @@ _allocator_tuned: bool | None = None   # None: not asked yet in this process
 
 def auto_method(n_candidates: int, G: int | None = None, d: int | None = None, dv: int | None = None) -> str:
     """method="auto": on the CPU, host selection from HOST_SELECT_MIN candidates, else in-graph argpartition
-    (both tuned there); on any other device the sort-free step (no CPU-tuned number decides it), with its
-    compaction and attention as CUDA kernels where ``cuda_decode.usable()`` (and the head shape fits them)."""
+    (both tuned there); on any other device the portable sort-free step (no CPU-tuned number decides it).
+
+    Not method="cuda": on the H200 its kernels gave the same slots but no faster step (256K float32 2.65 ms
+    against the portable step's 2.53; README, GPU), so the default stays the path the suite checks on every
+    backend. G, d, dv are accepted for callers that pass the head shape; the choice does not depend on them."""
     if mx.default_device().type != mx.cpu:
-        from . import cuda_decode
-        fits = G is None or cuda_decode.shapes_supported(G, d, dv)
-        return "cuda" if fits and cuda_decode.usable() else "sortfree"
+        return "sortfree"
     return "host" if n_candidates >= HOST_SELECT_MIN else "mlx"
 
 
