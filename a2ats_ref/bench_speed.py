@@ -431,7 +431,9 @@ def _load_codebook_or_random(model, n_layers, n_kv, d):
     from .cache import random_codebook
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return random_codebook(n_layers, n_kv, d, 4096), "random K=4096 (speed only)"
+        return random_codebook(n_layers, n_kv, d, 4096), (
+            "random K=4096 (speed only; $A2ATS_SMOLLM2_CODEBOOK not set): a random codebook selects tokens at "
+            "random, so the greedy tokens may differ from dense by design")
 
 
 def _bytes_per_token(model, ctx: int, *, n_layers: int, n_q: int, n_kv: int, d: int, K: int, w: int, sinks: int,
