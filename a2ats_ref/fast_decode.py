@@ -56,9 +56,12 @@ from .retrieval import own_token_only, topk_count
 __all__ = ["prepare_codebook", "decode_step_fast", "Selection", "selection_size", "tune_allocator",
            "allocator_tuning_wanted", "allocator_tuned"]
 
-#: candidate count from which method="auto" selects on the host (measured crossover on a 2-core EPYC);
-#: CPU only: on a GPU the host path costs a device->host copy of the LUT and is 6-9x slower (H200)
-HOST_SELECT_MIN = 32768
+#: candidate count from which method="auto" selects on the host, CPU only (on a GPU the host path costs a
+#: device->host copy of the LUT and is 6-9x slower, H200). Measured on the 2-core Xeon, float32, interleaved
+#: (a2ats-bench's decode_step_case): at 8B shapes (32q/8kv/d128) "mlx" wins at 8K candidates (10.4 vs 11.3 ms)
+#: and "host" at 16K (17.3 vs 21.5); at SmolLM2's (9q/3kv/d64) "mlx" at 16K (2.9 vs 3.1), "host" at 32K
+#: (4.9 vs 6.7). 12,288 sits between both crossovers (the 2-core EPYC's was 32,768).
+HOST_SELECT_MIN = 12288
 
 METHODS = ("auto", "host", "mlx", "sortfree", "cuda")
 
@@ -68,13 +71,13 @@ TUNE_ALLOCATOR_ENV = "A2ATS_TUNE_ALLOCATOR"
 _allocator_tuned: bool | None = None   # None: not asked yet in this process
 
 
-def auto_method(n_candidates: int, G: int | None = None, d: int | None = None, dv: int | None = None) -> str:
+def auto_method(n_candidates: int) -> str:
     """method="auto": on the CPU, host selection from HOST_SELECT_MIN candidates, else in-graph argpartition
     (both tuned there); on any other device the portable sort-free step (no CPU-tuned number decides it).
 
     Not method="cuda": on the H200 its kernels gave the same slots but no faster step (256K float32 2.65 ms
     against the portable step's 2.53; README, GPU), so the default stays the path the suite checks on every
-    backend. G, d, dv are accepted for callers that pass the head shape; the choice does not depend on them."""
+    backend."""
     if mx.default_device().type != mx.cpu:
         return "sortfree"
     return "host" if n_candidates >= HOST_SELECT_MIN else "mlx"
@@ -568,7 +571,7 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     BH, G, K = B * n_kv, n_q // n_kv, CT.shape[-1]
     if method == "auto":
-        method = auto_method(c1 - c0, G, d, values.shape[-1])
+        method = auto_method(c1 - c0)
     if method not in METHODS:
         raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
     if method == "cuda":
