@@ -58,11 +58,11 @@ __all__ = ["prepare_codebook", "decode_step_fast", "Selection", "selection_size"
 
 #: candidate count from which method="auto" selects on the host, CPU only (on a GPU the host path costs a
 #: device->host copy of the LUT and is 6-9x slower, H200). Measured on the 2-core Xeon, interleaved with the
-#: other methods (a2ats-bench's decode_step_case): at 8B shapes (32q/8kv/d128) "mlx" wins at 8K candidates
-#: (10.4 vs 11.3 ms), ties or wins at 16K (float32 19.0 vs 18.7, float16 21.5 vs 31.4, bfloat16 23.0 vs
-#: 28.2) and loses at 64K (58.8 vs 38.9); at SmolLM2's (9q/3kv/d64) "mlx" at 16K (2.9 vs 3.1), "host" at 32K
-#: (4.9 vs 6.7). 24,576 sits between 16K and 32K (the 2-core EPYC's crossover was 32,768).
-HOST_SELECT_MIN = 24576
+#: other methods (a2ats-bench's decode_step_case), float32 host vs in-graph argpartition ("mlx") ms: at 8B
+#: shapes (32q/8kv/d128) 11.3 vs 10.4 at 8K candidates; at 16K 19.6 vs 23.4, 17.3 vs 21.5, 18.7 vs 19.0,
+#: 19.2 vs 24.0 in four runs; at 64K 38.9-56.3 vs 58.8-83.6. At SmolLM2's (9q/3kv/d64) 3.1 vs 2.9 at 16K,
+#: 4.9 vs 6.7 at 32K. 12,288 sits between 8K and 16K (the 2-core EPYC's crossover was 32,768).
+HOST_SELECT_MIN = 12288
 
 METHODS = ("auto", "host", "mlx", "sortfree", "cuda")
 
