@@ -225,8 +225,6 @@ def attend(q, keys, values, idx, n_sel, forced_idx, scale):
 
 
 _USABLE: dict = {}
-#: why the CUDA step runs uncompiled, if mx.compile could not trace it on this MLX build (None: compiled)
-COMPILE_FALLBACK: str | None = None
 
 
 def usable() -> bool:

@@ -331,6 +331,13 @@ def _candidate_counts(codes, counts, c0, c1, counted, *, BH, K, T_codes, sinks, 
     return counts.reshape(BH, K).at[rows, at].add(-mx.broadcast_to(drop[None], at.shape))
 
 
+def _step_counts(codes, counts, c0, c1, counted, *, kept, BH, K, T_codes, sinks, w):
+    """The sort-free steps' candidate counts: corrected from the caller's kept counts, else counted here."""
+    if kept:
+        return _candidate_counts(codes, counts, c0, c1, counted, BH=BH, K=K, T_codes=T_codes, sinks=sinks, w=w)
+    return _counts_from_codes(codes, c0, c1, BH=BH, K=K, T_codes=T_codes)
+
+
 def _counts_from_codes(codes, c0, c1, *, BH, K, T_codes):
     """Candidate counts by one scatter-add over the whole code buffer (callers without kept counts)."""
     j = mx.arange(T_codes, dtype=mx.int32)
@@ -443,10 +450,7 @@ def _sortfree_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional,
     def step(queries, keys, values, codes, CT, inv, b, pos, counts, kk, c0, c1, counted, n_slots, forced_idx,
              scale_arr):
         lut = lut_fn(queries, CT, inv, b, pos)
-        if kept:
-            cand = _candidate_counts(codes, counts, c0, c1, counted, BH=BH, K=K, T_codes=T_codes, sinks=sinks, w=w)
-        else:
-            cand = _counts_from_codes(codes, c0, c1, BH=BH, K=K, T_codes=T_codes)
+        cand = _step_counts(codes, counts, c0, c1, counted, kept=kept, BH=BH, K=K, T_codes=T_codes, sinks=sinks, w=w)
         idx, keep = _sortfree_select(lut, codes, cand, kk, c0, c1, n_slots, BH=BH, T_codes=T_codes, S=S)
         return attend(queries, keys, values, idx, keep, forced_idx, scale_arr), idx, keep
 
@@ -467,30 +471,12 @@ def _cuda_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional, sca
     def step(queries, keys, values, codes, CT, inv, b, pos, counts, kk, c0, c1, counted, n_slots, forced_idx,
              scale_arr):
         lut = lut_fn(queries, CT, inv, b, pos)
-        if kept:
-            cand = _candidate_counts(codes, counts, c0, c1, counted, BH=BH, K=K, T_codes=T_codes, sinks=sinks, w=w)
-        else:
-            cand = _counts_from_codes(codes, c0, c1, BH=BH, K=K, T_codes=T_codes)
+        cand = _step_counts(codes, counts, c0, c1, counted, kept=kept, BH=BH, K=K, T_codes=T_codes, sinks=sinks, w=w)
         levels, n1, n2 = sortfree_code_levels(lut, cand, kk)
-        idx, keep, n_sel = cuda_decode.compact(levels, n1.astype(mx.int32), n2.astype(mx.int32),
-                                               codes.reshape(BH, T_codes), c0, c1, S)
+        idx, keep, n_sel = cuda_decode.compact(levels, n1, n2, codes.reshape(BH, T_codes), c0, c1, S)
         return cuda_decode.attend(queries, keys, values, idx, n_sel, forced_idx if F else None, scale_arr), idx, keep
 
-    compiled = mx.compile(step)
-    use = [compiled]
-
-    def run(*args):
-        # if mx.compile cannot trace the custom kernels on this MLX build, run the same ops eagerly (and say so)
-        try:
-            return use[0](*args)
-        except Exception as e:
-            if use[0] is step:
-                raise
-            cuda_decode.COMPILE_FALLBACK = f"{type(e).__name__}: {e}"
-            use[0] = step
-            return step(*args)
-
-    return run
+    return mx.compile(step)
 
 
 class Selection(NamedTuple):

@@ -329,7 +329,7 @@ class _HostPathHeadZeroCache(_SameClassOnLoad, ReferenceCache):
 class HostPathHeadZero(Mutant):
     expected_clause = "CACHE-DECODE"
     coverage_item = "host selection"
-    bug = "host selection path (>= 32,768 candidates) ranks every head of a GQA group by the first head's scores"
+    bug = "host selection path (>= HOST_SELECT_MIN candidates) ranks every head of a GQA group by the first head's scores"
 
     def make_cache(self, config):
         return _HostPathHeadZeroCache(config)
