@@ -236,9 +236,12 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
     t_fit0 = time.perf_counter()
     cached = [_load_partial(partial, l, settings) if partial is not None else None for l in range(n_layers)]
     todo = [(l, h) for l in range(n_layers) if cached[l] is None for h in range(n_kv)]
-    # k-means++ (NumPy, one core) of the next head runs in a worker thread while this head's Lloyd steps run
-    # (MLX's BLAS): the same centres as in sequence, in less wall time on a 2-core machine.
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kmeans++")
+    # k-means++ (NumPy, one core) of the next heads runs in worker threads while this head's Lloyd steps run
+    # (MLX's BLAS): the same centres as in sequence, in less wall time. One worker on the CPU (the Lloyd steps
+    # use the other cores); on a GPU the Lloyd steps take a fraction of a seeding, so the host's cores seed
+    # several heads at once.
+    n_seeders = 1 if mx.default_device().type == mx.cpu else max(1, min(8, (os.cpu_count() or 2) - 1))
+    pool = ThreadPoolExecutor(max_workers=n_seeders, thread_name_prefix="kmeans++")
     ahead: dict = {}
 
     def seed_ahead(i: int) -> None:
@@ -260,7 +263,8 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
                     i = todo.index((l, h))
                     seed_ahead(i)
                     z, fut = ahead.pop(i)
-                    seed_ahead(i + 1)
+                    for j in range(i + 1, i + 1 + n_seeders):
+                        seed_ahead(j)
                     C0, init_s = fut.result()
                     head_stats: dict = {"init_s": init_s, "init_flop": init_flop(z.shape[0], z.shape[1], K)}
                     C, _, hist = kmeans(z, K, seed=head_seed(seed, l, h), max_iter=max_iter, tol=tol,

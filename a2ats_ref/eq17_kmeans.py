@@ -31,6 +31,9 @@ from .precision import addmm
 #: runs well below BLAS peak on few rows, and 512 rows were 1.5x faster per Lloyd step than 128 at
 #: 81,920 x 4096 x 64 (same centres bit for bit; the argmin is a small part either way)
 BLOCK_ROWS = 512
+#: rows per block on a GPU: each block is a few kernel launches and one eval, so blocks as large as memory
+#: allows (a 16,384 x 4,096 float32 block is 256 MiB); 512-row blocks left the H200 waiting on launches
+GPU_BLOCK_ROWS = 16384
 
 
 def _points(z, name: str = "z") -> mx.array:
@@ -60,8 +63,8 @@ def nearest(z: mx.array, C: mx.array) -> tuple[mx.array, mx.array]:
     N = z.shape[0]
     if mx.default_device().type != mx.cpu:  # a GPU reduces its own blocks; no host copy of N x K distances
         parts = []
-        for s in range(0, N, BLOCK_ROWS):
-            parts.append(mx.argmin(addmm(c2, z[s : s + BLOCK_ROWS], Ct_m2), axis=-1).astype(mx.int32))
+        for s in range(0, N, GPU_BLOCK_ROWS):
+            parts.append(mx.argmin(addmm(c2, z[s : s + GPU_BLOCK_ROWS], Ct_m2), axis=-1).astype(mx.int32))
             mx.eval(parts[-1])
         codes = mx.concatenate(parts) if len(parts) > 1 else parts[0]
     else:
