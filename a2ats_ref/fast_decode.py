@@ -254,6 +254,8 @@ def sortfree_threshold(lut: mx.array, counts: mx.array, kk: mx.array) -> mx.arra
     -> (BH, G, 1): walk the codes from the highest score down, summing their counts, and stop at the first
     code where the sum reaches kk. Sorts K scores, never T tokens.
     """
+    if lut.shape[-1] == 1:   # one code: it is the threshold (and no empty reduction enters a GPU graph)
+        return lut
     order = mx.argsort(-lut, axis=-1)
     cum = mx.cumsum(mx.take_along_axis(mx.broadcast_to(counts[:, None, :], lut.shape), order, axis=-1), axis=-1)
     # the last code ends every walk (cum reaches all candidates there): counting over the others keeps
@@ -495,8 +497,10 @@ class Selection(NamedTuple):
         """Bool (B, n_kv, n_tokens): True on every token the step attended to."""
         B, n_kv, n = self.shape
         BH, F = B * n_kv, self.forced.shape[0]
-        idx = mx.concatenate([mx.broadcast_to(self.forced[None], (BH, F)), self.idx], axis=-1)
-        keep = mx.concatenate([mx.ones((BH, F), dtype=mx.bool_), self.keep], axis=-1)
+        idx, keep = self.idx, self.keep
+        if F:   # no empty piece enters a GPU graph (MLX CUDA 0.32 crashes on them: SIGFPE on the H200)
+            idx = mx.concatenate([mx.broadcast_to(self.forced[None], (BH, F)), idx], axis=-1)
+            keep = mx.concatenate([mx.ones((BH, F), dtype=mx.bool_), keep], axis=-1)
         m = mx.zeros((BH, n + 1), dtype=mx.bool_)
         if idx.shape[-1]:
             # dropped slots write into the extra column n, which is cut off
@@ -583,7 +587,8 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
         else:
             idx, keep = _select_mlx_fn(BH, G, K, kk, codes.shape[-1])(lut, codes, mx.array(c0), mx.array(c1))
     else:
-        idx, keep = mx.zeros((BH, 0), dtype=mx.int32), mx.zeros((BH, 0), dtype=mx.bool_)
+        # nothing to retrieve: one padding slot (keep False), not an empty array (MLX CUDA 0.32 crashes on those)
+        idx, keep = mx.zeros((BH, 1), dtype=mx.int32), mx.zeros((BH, 1), dtype=mx.bool_)
     forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
     fn = _attend_fn(B, n_q, n_kv, d, values.shape[-1], T_buf, len(forced), _lanes())
     out = fn(queries, keys, values, idx, keep, forced_idx, mx.array(scale, dtype=mx.float32))

@@ -54,7 +54,9 @@ def test_speed_T_chooses_the_context_lengths(tmp_path):
     assert bench.main(["speed", "--tiny", "--T", "768", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["decode_step"]
     assert row["T"] == 768
-    assert set(row["method_ms"]) == set(row["method_speedup"]) == {"mlx", "sortfree", "host"}   # beside dense
+    from a2ats_ref import cuda_decode
+    methods = {"mlx", "sortfree", "host"} | ({"cuda"} if cuda_decode.usable() else set())
+    assert set(row["method_ms"]) == set(row["method_speedup"]) == methods   # beside dense
     with pytest.raises(SystemExit) as e:
         bench.main(["speed", "--tiny", "--T", "1000", "--json", str(out)])
     assert e.value.code == 2
