@@ -72,15 +72,16 @@ TUNE_ALLOCATOR_ENV = "A2ATS_TUNE_ALLOCATOR"
 _allocator_tuned: bool | None = None   # None: not asked yet in this process
 
 
-def auto_method(n_candidates: int) -> str:
+def auto_method(n_candidates: int, *, G: int | None = None, d: int | None = None, dv: int | None = None,
+                K: int | None = None) -> str:
     """method="auto": on the CPU, host selection from HOST_SELECT_MIN candidates, else in-graph argpartition
-    (both tuned there); on any other device the portable sort-free step (no CPU-tuned number decides it).
-
-    Not method="cuda": on the H200 its kernels gave the same slots but no faster step (256K float32 2.65 ms
-    against the portable step's 2.53; README, GPU), so the default stays the path the suite checks on every
-    backend."""
+    (both tuned there); on MLX CUDA the six-kernel step (cuda_decode) when its self-check passed and the head
+    shape (G, d, dv, K, when given) fits it; on any other device the portable sort-free step (no CPU-tuned
+    number decides a GPU path)."""
     if mx.default_device().type != mx.cpu:
-        return "sortfree"
+        from . import cuda_decode
+        fits = None in (G, d, dv, K) or cuda_decode.shapes_supported(G, d, dv, K)
+        return "cuda" if fits and cuda_decode.usable() else "sortfree"
     return "host" if n_candidates >= HOST_SELECT_MIN else "mlx"
 
 
@@ -459,28 +460,6 @@ def _sortfree_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional,
     return mx.compile(step)
 
 
-@lru_cache(maxsize=64)
-def _cuda_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional, scale, tables, kept, sinks, w,
-                  lanes=(None,)):
-    """The sort-free step with its compaction and attention as CUDA kernels (cuda_decode): same LUT, counts and
-    levels, same slots; the attention reads the selected rows in place. Same call signature as
-    _sortfree_step_fn's step."""
-    from . import cuda_decode
-
-    BH, G = B * n_kv, n_q // n_kv
-    lut_fn = _lut_fn(B, n_kv, G, d, K, traditional, scale, tables)
-
-    def step(queries, keys, values, codes, CT, inv, b, pos, counts, kk, c0, c1, counted, n_slots, forced_idx,
-             scale_arr):
-        lut = lut_fn(queries, CT, inv, b, pos)
-        cand = _step_counts(codes, counts, c0, c1, counted, kept=kept, BH=BH, K=K, T_codes=T_codes, sinks=sinks, w=w)
-        levels, n1, n2 = sortfree_code_levels(lut, cand, kk)
-        idx, keep, n_sel = cuda_decode.compact(levels, n1, n2, codes.reshape(BH, T_codes), c0, c1, S)
-        return cuda_decode.attend(queries, keys, values, idx, n_sel, forced_idx if F else None, scale_arr), idx, keep
-
-    return mx.compile(step)
-
-
 class Selection(NamedTuple):
     """The token set one decode step attended to, kept lazily (building the mask costs O(T)).
 
@@ -562,12 +541,12 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     BH, G, K = B * n_kv, n_q // n_kv, CT.shape[-1]
     if method == "auto":
-        method = auto_method(c1 - c0)
+        method = auto_method(c1 - c0, G=G, d=d, dv=values.shape[-1], K=K)
     if method not in METHODS:
         raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
     if method == "cuda":
         from . import cuda_decode
-        if not (cuda_decode.on_cuda() and cuda_decode.shapes_supported(G, d, values.shape[-1])):
+        if not (cuda_decode.on_cuda() and cuda_decode.shapes_supported(G, d, values.shape[-1], K)):
             raise ValueError("method='cuda' needs MLX's CUDA backend as the default device and d == dv, a multiple "
                              f"of 32 (got d={d}, dv={values.shape[-1]}, G={G}); use method='sortfree' elsewhere")
     if method in ("sortfree", "cuda") and kk > 0:
@@ -600,7 +579,7 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
 
 def _decode_sortfree(queries, keys, values, codes, CT, inv, *, cuda=False, i, b, kk, c0, c1, forced, w, sinks, scale,
                      traditional, n_tokens, applied_angle, code_counts, return_mask, return_selection):
-    """decode_step_fast's method="sortfree" or "cuda" (kk > 0): the arguments are checked; one compiled call."""
+    """decode_step_fast's method="sortfree" (one compiled call) or "cuda" (six kernels, cuda_decode), kk > 0."""
     B, n_q, _, d = queries.shape
     _, n_kv, T_buf, _ = keys.shape
     K, T_codes, n = CT.shape[-1], codes.shape[-1], i + 1
@@ -615,18 +594,24 @@ def _decode_sortfree(queries, keys, values, codes, CT, inv, *, cuda=False, i, b,
     if not kept:
         counts, counted = mx.zeros((B, n_kv, K), dtype=mx.int32), 0
     f32, i32 = mx.float32, mx.int32
-    tables = applied_angle is not None
-    pos = mx.stack(list(applied_angle)) if tables else mx.array(float(i), f32)
     S = sortfree_width(kk, n_q // n_kv, K, c1 - c0)
-    make = _cuda_step_fn if cuda else _sortfree_step_fn
-    fn = make(B, n_q, n_kv, d, values.shape[-1], K, T_buf, T_codes, S, len(forced), traditional, scale, tables, kept,
-              sinks, w, _lanes())
     forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
-    # no empty array enters the GPU graph (MLX CUDA 0.32 mishandles them); with F = 0 the step ignores this input
-    forced_in = forced_idx if len(forced) else mx.zeros((1,), dtype=i32)
-    out, idx, keep = fn(queries, keys, values, codes, CT, inv.astype(f32), mx.array(float(b), f32), pos,
-                        counts.astype(i32), mx.array(kk, i32), mx.array(c0, i32), mx.array(c1, i32),
-                        mx.array(counted, i32), mx.array(S, i32), forced_in, mx.array(scale, dtype=f32))
+    if cuda:
+        from . import cuda_decode
+        out, idx, keep = cuda_decode.decode(
+            queries, keys, values, codes, CT, inv.astype(f32), counts=counts.astype(i32), kept=kept, kk=kk, c0=c0,
+            c1=c1, counted=counted, S=S, forced=forced, sinks=sinks, w=w, b=float(b), query_pos=float(i),
+            scale=scale, traditional=traditional, applied_angle=applied_angle)
+    else:
+        tables = applied_angle is not None
+        pos = mx.stack(list(applied_angle)) if tables else mx.array(float(i), f32)
+        fn = _sortfree_step_fn(B, n_q, n_kv, d, values.shape[-1], K, T_buf, T_codes, S, len(forced), traditional,
+                               scale, tables, kept, sinks, w, _lanes())
+        # no empty array enters the GPU graph (MLX CUDA 0.32 mishandles them); with F = 0 the step ignores it
+        forced_in = forced_idx if len(forced) else mx.zeros((1,), dtype=i32)
+        out, idx, keep = fn(queries, keys, values, codes, CT, inv.astype(f32), mx.array(float(b), f32), pos,
+                            counts.astype(i32), mx.array(kk, i32), mx.array(c0, i32), mx.array(c1, i32),
+                            mx.array(counted, i32), mx.array(S, i32), forced_in, mx.array(scale, dtype=f32))
     if not (return_mask or return_selection):
         return out
     sel = Selection(idx, keep, forced_idx, (B, n_kv, n_tokens))

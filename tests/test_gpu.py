@@ -161,6 +161,7 @@ def test_cuda_method_is_refused_off_cuda_with_what_to_use_instead():
 def test_cuda_kernel_shapes_fit_the_block():
     # d/32 dims per lane and per-warp partials in static shared memory: 8B (G 4, d 128) and SmolLM2 (3, 64) fit
     assert cuda_decode.shapes_supported(4, 128, 128) and cuda_decode.shapes_supported(3, 64, 64)
+    assert not cuda_decode.shapes_supported(4, 128, 128, K=16384)   # code counts over the shared-memory budget
     assert not cuda_decode.shapes_supported(4, 80, 80)      # not a multiple of 32
     assert not cuda_decode.shapes_supported(4, 128, 64)     # dv != d
     assert not cuda_decode.shapes_supported(16, 256, 256)   # partials over the shared-memory budget
@@ -168,10 +169,21 @@ def test_cuda_kernel_shapes_fit_the_block():
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend (the kernels are CUDA source)")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("T,n_q,n_kv,d,K", [(5000, 32, 8, 128, 256), (70000, 9, 3, 64, 4096), (1500, 4, 4, 32, 8)])
-def test_cuda_step_takes_the_portable_slots_and_attends_the_same(dtype, T, n_q, n_kv, d, K):
-    # Same slots exactly (indices and keep flags, ties included: K = 8 makes huge tie buckets), and the same
-    # attention to float32 rounding. A kernel that loses a ballot prefix, a block offset or a tie shows here.
-    diff = cuda_decode.compare_cuda_step(T=T, n_q=n_q, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=T)
+@pytest.mark.parametrize("T,n_q,n_kv,d,K,kept", [(5000, 32, 8, 128, 256, True), (70000, 9, 3, 64, 4096, True),
+                                                 (1500, 4, 4, 32, 8, True), (3000, 6, 3, 64, 64, False)])
+def test_cuda_step_parts_match_the_portable_step(dtype, T, n_q, n_kv, d, K, kept):
+    # The LUT kernel against float64; levels + compaction against the portable selection given that LUT, slots
+    # exactly (indices and keep flags, ties included: K = 8 makes huge tie buckets); the attention against the
+    # portable attention over those slots. A kernel that loses a ballot prefix, a block offset, a radix digit
+    # or a tie shows here.
+    diff = cuda_decode.compare_parts(T=T, n_q=n_q, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=T, kept=kept)
+    assert diff["lut_rel_err"] <= 1e-5, diff
     assert diff["same_slots"], diff
     assert diff["max_rel_err"] <= (1e-5 if dtype == mx.float32 else 1e-2), diff
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend (the kernels are CUDA source)")
+def test_auto_takes_the_cuda_step_where_it_is_usable():
+    assert cuda_decode.usable()
+    assert fast_decode.auto_method(10 ** 6, G=4, d=128, dv=128, K=4096) == "cuda"
+    assert fast_decode.auto_method(10 ** 6, G=4, d=80, dv=80, K=4096) == "sortfree"
