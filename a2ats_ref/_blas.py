@@ -13,6 +13,7 @@ Opt out with the environment variable ``A2ATS_NO_FAST_BLAS=1``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -231,6 +232,60 @@ def _symbol_origin(symbol: str = "cblas_sgemm") -> str | None:
         return os.path.realpath(info.dli_fname.decode())
     except (AttributeError, OSError, ValueError):
         return None
+
+
+_numpy_blas_fns: tuple | None | bool = None  # (set, get) of NumPy's own OpenBLAS; False: not found
+
+
+def _find_numpy_blas():
+    """set/get_num_threads of the OpenBLAS that NumPy's wheels bundle (its own library and thread pool, loaded
+    privately, so not in the global scope): found among the process's mapped files. None where there is none
+    apart from the one MLX uses (a NumPy linked to the system OpenBLAS) or it cannot be read."""
+    global _numpy_blas_fns
+    if _numpy_blas_fns is None:
+        _numpy_blas_fns = False
+        import numpy  # noqa: F401 - maps its BLAS
+        try:
+            with open("/proc/self/maps") as f:
+                paths = sorted({ln.split(None, 5)[5].strip() for ln in f if len(ln.split(None, 5)) == 6
+                                and "openblas" in ln.rsplit("/", 1)[-1].lower()})
+        except OSError:
+            paths = []
+        mlx_blas = os.path.realpath(_state["loaded"]) if _state["loaded"] else None
+        for path in paths:
+            if not os.path.isfile(path) or os.path.realpath(path) in (mlx_blas, _symbol_origin()):
+                continue
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            for prefix in ("scipy_openblas", "openblas"):
+                for suffix in ("64_", ""):
+                    set_ = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+                    get_ = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+                    if set_ is not None and get_ is not None:
+                        _numpy_blas_fns = (set_, get_)
+                        return _numpy_blas_fns
+    return _numpy_blas_fns or None
+
+
+@contextlib.contextmanager
+def numpy_blas_threads(n: int):
+    """Run NumPy's own BLAS on ``n`` threads inside the block (restored after): for code that calls NumPy's
+    matmul from several Python threads at once, where each call spreading over every core oversubscribes
+    them (measured: 2 threads x 2 BLAS threads on 2 cores, host attention 1.7x slower than with 1 each).
+    A no-op where NumPy's BLAS cannot be found."""
+    fns = _find_numpy_blas()
+    if fns is None:
+        yield
+        return
+    set_, get_ = fns
+    old = int(get_())
+    set_(int(n))
+    try:
+        yield
+    finally:
+        set_(old)
 
 
 def blas_status() -> dict:

@@ -56,3 +56,21 @@ def test_too_late_warns_and_does_not_load():
     st, err = run("import json, mlx.core; import a2ats_ref._blas as b; b.preload(); print(json.dumps(b.blas_status()))")
     assert not st["effective"] and st["loaded"] is None, st
     assert "imported before a2ats_ref" in err
+
+
+def test_numpy_blas_threads_sets_and_restores():
+    # The host attention runs NumPy matmuls from several threads inside numpy_blas_threads(1).
+    from a2ats_ref import _blas
+
+    fns = _blas._find_numpy_blas()
+    if fns is None:
+        pytest.skip("NumPy's own OpenBLAS was not found in this process (a NumPy on the system BLAS?)")
+    set_, get_ = fns
+    before = int(get_())
+    set_(2)
+    try:
+        with _blas.numpy_blas_threads(1):
+            assert int(get_()) == 1
+        assert int(get_()) == 2
+    finally:
+        set_(before)
