@@ -40,7 +40,18 @@ from .corpus import build_corpus
 from .eq15_cholesky import cholesky
 from .eq16_z_transform import z_transform
 from .eq17_kmeans import init_flop, kmeans, phase_stats, seed_centres
+from .fast_decode import allocator_tuning_wanted, tune_allocator
 from .fileio import check_writable
+
+#: OPENBLAS_THREAD_TIMEOUT that a2ats-calibrate runs under unless the variable is already set: an idle OpenBLAS
+#: thread spins 2^4 cycles before it sleeps instead of OpenBLAS's default 2^28 (~0.1 s). With the default, the
+#: thread that finished its share of a GEMM spun (sched_yield: system time) on the core that NumPy's softmax,
+#: argmin or the k-means++ worker needed next: the full run before this had 543 s of system time in 2,518 s of
+#: CPU; an 8K-token collection went from 19.3 s system / 64.1 s user to 6.0 / 53.5 with it (same keys bit for
+#: bit). OpenBLAS reads it only when it loads, so the command re-executes itself once with it set; set
+#: OPENBLAS_THREAD_TIMEOUT=28 to keep OpenBLAS's default.
+BLAS_THREAD_TIMEOUT = "4"
+BLAS_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
 
 DEFAULTS = dict(tokens=65536, codebook_size=4096, b=2048, seed=0, uuid_fraction=0.25, seq_len=16384, packing="documents",
                 chunk=256,
@@ -177,6 +188,11 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
                tol, fingerprint, partial, checkpoint_tokens, quiet, model_source) -> Codebook:
     t_start = time.perf_counter()
     timings: dict = {}
+    if allocator_tuning_wanted():
+        # Freed large buffers stay in the heap: collection and the Lloyd steps allocate and free MiB-sized
+        # blocks many times a second, which otherwise cost a munmap and fresh page faults each time.
+        # A2ATS_TUNE_ALLOCATOR=0 keeps glibc's thresholds (see fast_decode.tune_allocator).
+        tune_allocator()
     K = int(codebook_size)
     if K < 1 or K > 65536:
         raise ValueError(f"codebook_size: expected 1..65536 codewords (codes are at most 16-bit), got {codebook_size}")
@@ -321,7 +337,8 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
         "corpus": corpus.description,
         "tokens_sha256": tok_hash,
         "timings": timings,
-        "blas": {k: _blas.blas_status().get(k) for k in ("source", "effective")},
+        "blas": {**{k: _blas.blas_status().get(k) for k in ("source", "effective")},
+                 "thread_timeout": os.environ.get(BLAS_TIMEOUT_ENV)},
     }
     return Codebook(cz_layers, L_layers, meta)
 
@@ -551,8 +568,21 @@ def partial_path(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
+def _reexec_with_blas_timeout(args: list) -> None:
+    """Run the command again in this process with OPENBLAS_THREAD_TIMEOUT set (see BLAS_THREAD_TIMEOUT), unless
+    it is set already or MLX does not use the OpenBLAS that a2ats_ref loaded."""
+    if BLAS_TIMEOUT_ENV in os.environ or not _blas.blas_status().get("effective"):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    env = dict(os.environ, **{BLAS_TIMEOUT_ENV: BLAS_THREAD_TIMEOUT})
+    os.execve(sys.executable, [sys.executable, "-m", "a2ats_ref.calibrate", *args], env)
+
+
 def main(argv=None) -> int:
     """Exit codes: 0 codebook written, 2 usage or input error (message on stderr), 130 interrupted (resumable)."""
+    if argv is None:
+        _reexec_with_blas_timeout(sys.argv[1:])
     args = _parser().parse_args(argv)
     from . import gguf
 
