@@ -92,11 +92,12 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
     def a2ats(method):
         return lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method=method, **kw)
 
-    auto = fast_decode.auto_method(T - w - sinks)
+    shape = dict(G=n_q // n_kv, d=d, K=K, n_kv=n_kv, dtype=dtype)
+    auto = fast_decode.auto_method(T - w - sinks, dv=d, **shape)
     fns = {"dense": dense, "a2ats": a2ats(auto)}
     if both_methods:
         from . import cuda_decode
-        for m in SELECT_METHODS + (("cuda",) if cuda_decode.usable() else ()):
+        for m in SELECT_METHODS + (("cuda",) if cuda_decode.usable(**shape) else ()):
             if m != auto:
                 fns["a2ats_" + m] = a2ats(m)
     res = interleaved(fns, reps=reps)

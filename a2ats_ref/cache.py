@@ -254,7 +254,7 @@ def assign_codes(k_post: mx.array, positions: mx.array, codebook: LayerCodebook,
                  fast_rope: Optional[dict] = None):
     """CACHE codes: EQ-12 de-rotation of post-RoPE keys at their own positions, then EQ-16 assignment.
 
-    k_post (B, n_kv, t, d) post-RoPE keys, positions (t,) -> codes (B, n_kv, t) in the CODES-DTYPE dtype.
+    k_post (B, n_kv, t, d) post-RoPE keys, positions (t,) or a range -> codes (B, n_kv, t) in the CODES-DTYPE dtype.
     Work is O(t): only the given tokens are touched. Same result as
     assign_z(far_keys(k_post, positions, ...), Cz, L); it calls their unchecked kernels because the
     checks cost host syncs on every token and the cache has validated its inputs already.
@@ -266,6 +266,8 @@ def assign_codes(k_post: mx.array, positions: mx.array, codebook: LayerCodebook,
         c, s = applied_cos_sin(positions, k_post.shape[-1], traditional, fast_rope)
         k_pre = rotate_by_tables(k_post.astype(f32), c, s, traditional, -1.0)
     else:
+        if isinstance(positions, range):
+            positions = mx.arange(positions.start, positions.stop)
         k_pre = far_keys_unchecked(k_post.astype(f32), positions.astype(f32), inv_freqs, traditional=traditional)
     return assign_z_unchecked(k_pre, codebook.Cz, codebook.L, codebook.z_operands)  # per-head (n_kv, K, d)
 
@@ -340,7 +342,7 @@ class A2ATSCache(_BaseCache):
             return
         for s in range(self._coded, self.offset, self.CODE_BATCH_MAX):
             e = min(s + self.CODE_BATCH_MAX, self.offset)
-            self.codes[..., s:e] = assign_codes(self.keys[..., s:e, :], mx.arange(s, e), self.codebook,
+            self.codes[..., s:e] = assign_codes(self.keys[..., s:e, :], range(s, e), self.codebook,
                                                 self.inv_freqs, traditional=self.traditional,
                                                 fast_rope=self.fast_rope)
         self._count_codes(self._coded, self.offset, +1)

@@ -42,7 +42,7 @@ BLOCK = 1024
 #: warps per block of the attention kernel, slots each warp walks, and rows each warp loads at once
 WARPS, SLOTS_PER_WARP, ROWS_IN_FLIGHT = 8, 16, 4
 #: threads per block of the LUT kernel (one code per thread)
-LUT_THREADS = 256
+LUT_THREADS = 64
 #: static shared memory a kernel may use (CUDA's limit without opt-in is 48 KB)
 _SHARED_LIMIT = 46 * 1024
 #: int32 parameters before the forced token list in the per-step parameter array
@@ -54,6 +54,8 @@ _HEADER = """
 __device__ inline float a2ats_f32(float x) { return x; }
 __device__ inline float a2ats_f32(__half x) { return __half2float(x); }
 __device__ inline float a2ats_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+// N consecutive elements as one load (a lane's share of a row: 8 or 16 bytes)
+template <typename T, int N> struct alignas(sizeof(T) * N) a2ats_vec { T v[N]; };
 // order-preserving key of a float (larger float, larger key); -0 and +0 share one key, as they compare equal
 __device__ inline unsigned a2ats_key(float f) {
     const unsigned u = __float_as_uint(f == 0.0f ? 0.0f : f);
@@ -88,6 +90,7 @@ _LUT_SRC = """
         float acc[G];
         for (int g = 0; g < G; ++g) acc[g] = 0.0f;
         const float* col = CT + (size_t)h * D * K + k;
+#pragma unroll 16
         for (int dd = 0; dd < D; ++dd) {
             const float c = col[(size_t)dd * K];
             for (int g = 0; g < G; ++g) acc[g] = fmaf(qs[g * D + dd], c, acc[g]);
@@ -271,7 +274,9 @@ _ATTEND_SRC = """
             const int ss = s + u;
             const int tok = ss >= s1 ? 0 : (ss < F ? ip[9 + ss] : idx[(size_t)r * S + ss - F]);
             const size_t row = ((size_t)r * Tb + (size_t)tok) * D + lane * DPL;
-            for (int i = 0; i < DPL; ++i) { kf[u][i] = a2ats_f32(keys[row + i]); vf[u][i] = a2ats_f32(values[row + i]); }
+            const a2ats_vec<T, DPL> kx = *reinterpret_cast<const a2ats_vec<T, DPL>*>(keys + row);
+            const a2ats_vec<T, DPL> vx = *reinterpret_cast<const a2ats_vec<T, DPL>*>(values + row);
+            for (int i = 0; i < DPL; ++i) { kf[u][i] = a2ats_f32(kx.v[i]); vf[u][i] = a2ats_f32(vx.v[i]); }
         }
         for (int u = 0; u < U && s + u < s1; ++u) {
             for (int g = 0; g < G; ++g) {
@@ -311,26 +316,38 @@ _ATTEND_SRC = """
     }
 """
 
-# pm/pl (BH, NC, G), pacc (BH, NC, G, D) -> out (BH, G, D) in the values' dtype
+# pm/pl (BH, NC, G), pacc (BH, NC, G, D) -> out (BH, G, D) in the values' dtype. One block per (row, head): P =
+# blockDim / D groups of threads each sum a share of the NC partials for every dim, then the groups are added.
 _MERGE_SRC = """
-    const int r = blockIdx.y;
-    const int e = blockIdx.x * blockDim.x + threadIdx.x;
-    if (e < G * D) {
-        const int g = e / D, dd = e - g * D;
-        const int NC = pm_shape[1];
-        const float NEG = __int_as_float(0xff800000);
-        float M = NEG;
-        for (int c = 0; c < NC; ++c) M = fmaxf(M, pm[((size_t)r * NC + c) * G + g]);
-        float Ls = 0.0f, A = 0.0f;
-        for (int c = 0; c < NC; ++c) {
+    const int r = blockIdx.y, g = blockIdx.x, tid = threadIdx.x;
+    const int NC = pm_shape[1];
+    constexpr int P = MT / D;
+    const int dd = tid % D, part = tid / D;
+    const float NEG = __int_as_float(0xff800000);
+    __shared__ float red[MT], redl[MT], mx_s[32];
+    float M = NEG;
+    for (int c = tid; c < NC; c += MT) M = fmaxf(M, pm[((size_t)r * NC + c) * G + g]);
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    if ((tid & 31) == 0) mx_s[tid >> 5] = M;
+    __syncthreads();
+    M = NEG;
+    for (int q2 = 0; q2 < MT / 32; ++q2) M = fmaxf(M, mx_s[q2]);
+    float Ls = 0.0f, A = 0.0f;
+    if (part < P) {
+#pragma unroll 4
+        for (int c = part; c < NC; c += P) {
             const size_t o = ((size_t)r * NC + c) * G + g;
             const float mc = pm[o];
-            if (mc > NEG) {
-                const float f = expf(mc - M);
-                Ls += f * pl[o];
-                A += f * pacc[o * D + dd];
-            }
+            const float f = mc > NEG ? expf(mc - M) : 0.0f;
+            Ls += f * pl[o];
+            A += f * pacc[o * D + dd];
         }
+    }
+    red[tid] = A;
+    redl[tid] = Ls;
+    __syncthreads();
+    if (part == 0) {
+        for (int q2 = 1; q2 < P; ++q2) { A += red[q2 * D + dd]; Ls += redl[q2 * D + dd]; }
         out[((size_t)r * G + g) * D + dd] = static_cast<T>(A / Ls);
     }
 """
@@ -404,7 +421,9 @@ def levels(lut_, counts2d, codes2d, ip):
 
 
 def compact(lv, nsel, codes2d, ip, S: int):
-    """idx (BH, S) int32: the selected candidates, level 1 first, each level in index order (kernels 3, 4)."""
+    """idx (BH, S) int32: the selected candidates, level 1 first, each level in index order (kernels 3, 4).
+
+    Slots past the selection are not written (no fill kernel): keep is False there, and nothing reads them."""
     k = _kernels()
     BH, T_codes = codes2d.shape
     NB = -(-T_codes // BLOCK)
@@ -412,7 +431,7 @@ def compact(lv, nsel, codes2d, ip, S: int):
     (cnt,) = k["count"](inputs=[codes2d, lv, ip], output_shapes=[(BH, NB, 2)], output_dtypes=[mx.int32],
                         grid=(NB * BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1), template=tmpl)
     (idx,) = k["scatter"](inputs=[codes2d, lv, ip, cnt, nsel], output_shapes=[(BH, S)], output_dtypes=[mx.int32],
-                          grid=(NB * BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1), template=tmpl, init_value=0)
+                          grid=(NB * BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1), template=tmpl)
     return idx
 
 
@@ -431,10 +450,10 @@ def attend(queries, keys, values, idx, nsel, ip, fp, F: int) -> mx.array:
         grid=(NC * WARPS * 32, BH, 1), threadgroup=(WARPS * 32, 1, 1),
         template=[("T", keys.dtype), ("G", G), ("D", d), ("NW", WARPS), ("CH", SLOTS_PER_WARP),
                   ("U", ROWS_IN_FLIGHT)])
-    threads = min(1024, -(-(G * d) // 32) * 32)
+    MT = max(d, (1024 // d) * d)   # threads per merge block: a whole number of D-wide groups
     (out,) = k["merge"](inputs=[pm, pl, pacc], output_shapes=[(BH, G, d)], output_dtypes=[values.dtype],
-                        grid=(-(-(G * d) // threads) * threads, BH, 1), threadgroup=(threads, 1, 1),
-                        template=[("T", values.dtype), ("G", G), ("D", d)])
+                        grid=(G * MT, BH, 1), threadgroup=(MT, 1, 1),
+                        template=[("T", values.dtype), ("G", G), ("D", d), ("MT", MT)])
     return out.reshape(B, n_q, 1, d)
 
 
@@ -458,13 +477,17 @@ def decode(queries, keys, values, codes, CT, inv, *, counts, kept: bool, kk: int
 _USABLE: dict = {}
 
 
-def usable() -> bool:
+def usable(*, dtype=None, G: int | None = None, n_kv: int | None = None, d: int | None = None,
+           K: int | None = None) -> bool:
     """Whether method="cuda" may be taken here: on a CUDA device, the kernels compile and reproduce the portable
-    parts on small cases (compare_parts). Checked once per process; a failure warns (with the reason) and leaves
-    "auto" on the portable step."""
-    key = str(mx.default_device())
+    parts (compare_parts) on a small case of this head shape and dtype (a small float16 case when none is given),
+    so the check compiles the kernel instances the step will use. Checked once per process and shape; a failure
+    warns (with the reason) and leaves "auto" on the portable step."""
+    if not on_cuda():
+        return False
+    key = (str(mx.default_device()), str(dtype), G, n_kv, d, K)
     if key not in _USABLE:
-        _USABLE[key] = on_cuda() and _self_check()
+        _USABLE[key] = _self_check(dtype or mx.float16, G or 4, n_kv or 2, d or 64, K or 64)
     return _USABLE[key]
 
 
@@ -512,7 +535,9 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
     table = lut(x["q"], x["CT"], inv, fp, traditional=False)
     # float64 LUT: q de-rotated by (n - 1) * inv, rotated by b * inv, scaled, times C
     q64 = np.array(x["q"].astype(mx.float32), dtype=np.float64).reshape(n_kv, G, d)
-    th_q, th_b = (n - 1) * x["inv"].astype(np.float64), b * x["inv"].astype(np.float64)
+    # EQ-12 undoes the float32 angle mlx-lm applied: the angles are float32 products, the rest float64
+    th_q = (np.float32(n - 1) * x["inv"]).astype(np.float64)
+    th_b = (np.float32(b) * x["inv"]).astype(np.float64)
     half = d // 2
     a, bb = q64[..., :half], q64[..., half:]
     a1, b1 = a * np.cos(th_q) + bb * np.sin(th_q), bb * np.cos(th_q) - a * np.sin(th_q)
@@ -535,15 +560,13 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
             "max_rel_err": float(np.abs(o - r).max() / max(np.abs(r).max(), 1e-30)), "dtype": str(dtype), "T": T}
 
 
-def _self_check() -> bool:
+def _self_check(dtype, G: int, n_kv: int, d: int, K: int) -> bool:
     try:
-        for dtype, (n_q, n_kv, d), K, kept in ((mx.float32, (8, 2, 64), 64, True), (mx.float16, (32, 8, 128), 64, True),
-                                              (mx.float32, (6, 3, 32), 8, False)):
-            diff = compare_parts(T=3000, n_q=n_q, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=1, kept=kept)
-            if not (diff["same_slots"] and diff["lut_rel_err"] <= 1e-5 and diff["max_rel_err"] <= 2e-3):
-                warnings.warn(f"a2ats_ref: the CUDA decode kernels disagree with the portable step ({diff}); "
-                              "decoding uses the portable sort-free step", RuntimeWarning, stacklevel=3)
-                return False
+        diff = compare_parts(T=3000, n_q=G * n_kv, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=1)
+        if not (diff["same_slots"] and diff["lut_rel_err"] <= 1e-5 and diff["max_rel_err"] <= 2e-3):
+            warnings.warn(f"a2ats_ref: the CUDA decode kernels disagree with the portable step ({diff}); "
+                          "decoding uses the portable sort-free step", RuntimeWarning, stacklevel=3)
+            return False
         return True
     except Exception as e:  # a compile or launch failure on this CUDA build: fall back, and say why
         warnings.warn(f"a2ats_ref: the CUDA decode kernels cannot run here ({type(e).__name__}: {e}); "

@@ -73,7 +73,7 @@ _allocator_tuned: bool | None = None   # None: not asked yet in this process
 
 
 def auto_method(n_candidates: int, *, G: int | None = None, d: int | None = None, dv: int | None = None,
-                K: int | None = None) -> str:
+                K: int | None = None, n_kv: int | None = None, dtype=None) -> str:
     """method="auto": on the CPU, host selection from HOST_SELECT_MIN candidates, else in-graph argpartition
     (both tuned there); on MLX CUDA the six-kernel step (cuda_decode) when its self-check passed and the head
     shape (G, d, dv, K, when given) fits it; on any other device the portable sort-free step (no CPU-tuned
@@ -81,7 +81,7 @@ def auto_method(n_candidates: int, *, G: int | None = None, d: int | None = None
     if mx.default_device().type != mx.cpu:
         from . import cuda_decode
         fits = None in (G, d, dv, K) or cuda_decode.shapes_supported(G, d, dv, K)
-        return "cuda" if fits and cuda_decode.usable() else "sortfree"
+        return "cuda" if fits and cuda_decode.usable(dtype=dtype, G=G, n_kv=n_kv, d=d, K=K) else "sortfree"
     return "host" if n_candidates >= HOST_SELECT_MIN else "mlx"
 
 
@@ -541,7 +541,7 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     BH, G, K = B * n_kv, n_q // n_kv, CT.shape[-1]
     if method == "auto":
-        method = auto_method(c1 - c0, G=G, d=d, dv=values.shape[-1], K=K)
+        method = auto_method(c1 - c0, G=G, d=d, dv=values.shape[-1], K=K, n_kv=n_kv, dtype=values.dtype)
     if method not in METHODS:
         raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
     if method == "cuda":

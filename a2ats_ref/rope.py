@@ -122,25 +122,35 @@ def fast_rope_from_json(obj) -> dict | None:
 
 
 def applied_cos_sin(positions: mx.array, d: int, traditional: bool, args: dict) -> tuple[mx.array, mx.array]:
-    """cos, sin (..., d/2) of the angles mx.fast.rope applies at `positions` (...,) on the current device.
+    """cos, sin (..., d/2) of the angles mx.fast.rope applies at `positions` (...,) on the current device;
+    `positions` may also be a range (step 1): cos, sin (n, d/2).
 
     mx.fast.rope's angles depend on the device: on MLX CUDA with `base=` they differ from the CPU's (and
     from m * inv_freqs) by up to 1.2e-2 rad at position 90,000. Rotating the unit vectors (1, 0) of every
     pair with the same call reads the angles back exactly as applied: a (N, 1, 1, d) input with an (N,)
     offset array rotates row n by positions[n].
     """
-    flat = positions.reshape(-1).astype(mx.int32)
-    n, half = flat.shape[0], d // 2
-    one, zero = mx.ones((n, 1, 1, half), mx.float32), mx.zeros((n, 1, 1, half), mx.float32)
+    if isinstance(positions, range):
+        # a run of positions: one sequence of n tokens from a scalar offset, the very call mlx-lm makes (and on MLX
+        # CUDA 0.32 a (n,) offset array fails to launch for some n, e.g. 251: cudaGraphAddKernelNode)
+        if positions.step != 1 or len(positions) < 1:
+            raise ValueError(f"positions: expected a non-empty range with step 1, got {positions!r}")
+        n, lead, offset = len(positions), (1, 1, len(positions)), positions.start
+        shape_out = (n, d // 2)
+    else:
+        flat = positions.reshape(-1).astype(mx.int32)
+        n, lead, offset = flat.shape[0], (flat.shape[0], 1, 1), flat
+        shape_out = tuple(positions.shape) + (d // 2,)
+    half = d // 2
+    one, zero = mx.ones(lead + (half,), mx.float32), mx.zeros(lead + (half,), mx.float32)
     if traditional:
-        unit = mx.stack([one, zero], axis=-1).reshape(n, 1, 1, d)
+        unit = mx.stack([one, zero], axis=-1).reshape(lead + (d,))
     else:
         unit = mx.concatenate([one, zero], axis=-1)
     y = mx.fast.rope(unit, d, traditional=traditional, base=args.get("base"), scale=args.get("scale", 1.0),
-                     offset=flat, freqs=args.get("freqs")).reshape(n, d)
+                     offset=offset, freqs=args.get("freqs")).reshape(n, d)
     c, s = (y[:, 0::2], y[:, 1::2]) if traditional else (y[:, :half], y[:, half:])
-    shape = tuple(positions.shape) + (half,)
-    return c.reshape(shape), s.reshape(shape)
+    return c.reshape(shape_out), s.reshape(shape_out)
 
 
 def rotate_by_tables(x: mx.array, c: mx.array, s: mx.array, traditional: bool, sign: float) -> mx.array:

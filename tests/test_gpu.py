@@ -78,6 +78,20 @@ def test_applied_angles_undo_the_models_rotation_to_131072(module):
     assert np.max(np.abs(np.array(back - x[:, 0, 0]))) < 1e-5
 
 
+@pytest.mark.parametrize("module", list(_rope_modules()), ids=["neox-base", "traditional-scaled", "llama3"])
+def test_applied_angles_of_a_run_of_positions(module):
+    # The cache reads a run of positions back with one scalar-offset call (a sequence, as mlx-lm rotates it; on
+    # MLX CUDA 0.32 a 251-long offset array failed to launch): the same angles as per-position offsets.
+    args = rope.fast_rope_args(module)
+    for s0, n in ((0, 1), (242, 251), (131000, 73)):
+        c, s = rope.applied_cos_sin(range(s0, s0 + n), 64, module.traditional, args)
+        c2, s2 = rope.applied_cos_sin(mx.arange(s0, s0 + n), 64, module.traditional, args)
+        assert c.shape == c2.shape == (n, 32)
+        assert np.max(np.abs(np.array(c - c2))) < 1e-6 and np.max(np.abs(np.array(s - s2))) < 1e-6
+    with pytest.raises(ValueError, match="step 1"):
+        rope.applied_cos_sin(range(0, 10, 2), 64, module.traditional, args)
+
+
 def test_cache_codes_use_the_models_angles():
     # A cache built with the model's rope arguments codes mx.fast.rope keys as their pre-RoPE selves.
     module = nn.RoPE(64, traditional=False, base=500000.0)
