@@ -236,6 +236,9 @@ _SCATTER_SRC = _BALLOT + """
     for (int q = 0; q < warp; ++q) { w1 += s1[q]; w2 += s2[q]; }
     const unsigned below = (1u << lane) - 1u;
     const int S = ip[4];
+    // slots past the selection hold 0 (disjoint from the slots written below): no separate fill kernel, and no
+    // reader of idx (the portable attention gathers every slot) ever meets an index outside the cache
+    if (j >= min(nsel[r * 2] + nsel[r * 2 + 1], S) && j < S) idx[(size_t)r * S + j] = 0;
     if (lv == 1) {
         const int p = base[0] + w1 + __popc(b1 & below);
         if (p < S) idx[(size_t)r * S + p] = j;
@@ -423,7 +426,7 @@ def levels(lut_, counts2d, codes2d, ip):
 def compact(lv, nsel, codes2d, ip, S: int):
     """idx (BH, S) int32: the selected candidates, level 1 first, each level in index order (kernels 3, 4).
 
-    Slots past the selection are not written (no fill kernel): keep is False there, and nothing reads them."""
+    Slots past the selection hold 0 (written by the scatter kernel itself; keep is False there)."""
     k = _kernels()
     BH, T_codes = codes2d.shape
     NB = -(-T_codes // BLOCK)
