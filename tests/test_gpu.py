@@ -201,3 +201,21 @@ def test_auto_takes_the_cuda_step_where_it_is_usable():
     assert cuda_decode.usable()
     assert fast_decode.auto_method(10 ** 6, G=4, d=128, dv=128, K=4096) == "cuda"
     assert fast_decode.auto_method(10 ** 6, G=4, d=80, dv=80, K=4096) == "sortfree"
+
+
+def test_decode_profile_brackets_one_step_and_reads_ncu_csv(tmp_path):
+    from a2ats_ref import decode_profile
+
+    info = decode_profile.profile_step("sortfree", 1024, "float32")
+    assert info["T"] == 1024 and info["method"] == "sortfree" and info["graph_build_ms_median"] > 0
+    csv = tmp_path / "s.csv"
+    head = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",' \
+           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+    row = lambda i, k, u, v: f'"{i}","1","python3","h","{k}","1","7","(256, 1, 1)","(8, 8, 1)","0","9.0","S",' \
+                             f'"gpu__time_duration.sum","{u}","{v}"\n'
+    csv.write_text(head + row(0, "a2ats_lut", "nsecond", "20,480") + row(1, "a2ats_attend", "usecond", "99.5"))
+    text = decode_profile.summarize(str(csv))
+    assert "20.5 us  a2ats_lut" in text and "99.5 us  a2ats_attend" in text and "total 120.0 us over 2 kernels" in text
+    (tmp_path / "empty.csv").write_text("==PROF== nothing\n")
+    with pytest.raises(ValueError, match="no ncu CSV rows"):
+        decode_profile.summarize(str(tmp_path / "empty.csv"))

@@ -1,0 +1,112 @@
+"""RET-DECODE under a kernel profiler: one decode step, bracketed so a profiler sees that step alone.
+
+    ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \\
+        python -m a2ats_ref.decode_profile --method cuda --T 262144 --dtype float16 > step.csv
+    python -m a2ats_ref.decode_profile --summarize step.csv
+
+The step runs at Llama-3.1-8B shapes on a2ats-bench's inputs (bench_speed.decode_step_inputs), warmed up (every
+kernel compiled) before cudaProfilerStart; `--method dense` profiles mlx-lm's attention instead. It also prints
+the host time to build the step's graph (no eval), the part of a step a GPU waits on when kernels are short.
+No timing claims come from a profiled run: ratios come from a2ats-bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import glob
+import math
+import os
+import sys
+import time
+
+from . import _blas
+
+_blas.preload()
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from . import bench_speed, fast_decode  # noqa: E402
+
+
+def _cudart():
+    """libcudart next to MLX's CUDA libraries (None on other backends: the brackets are then no-ops)."""
+    roots = [os.path.dirname(p) for p in sys.path if p.endswith("site-packages")]
+    for root in roots:
+        for lib in sorted(glob.glob(os.path.join(root, "nvidia", "**", "libcudart.so*"), recursive=True)):
+            return ctypes.CDLL(lib)
+    return None
+
+
+def profile_step(method: str, T: int, dtype_name: str) -> dict:
+    shape = bench_speed.LLAMA31_8B
+    x = bench_speed.decode_step_inputs(T, bench_speed.DTYPES[dtype_name], **shape)
+    d, K = shape["d"], 4096
+    scale = 1.0 / math.sqrt(d)
+    inv = mx.array(bench_speed._rope_inv_freqs(d, 500000.0).astype(np.float32))
+    counts = fast_decode.code_counts(x["codes"], K)
+    mx.eval(inv, counts)
+    if method == "dense":
+        from mlx_lm.models.base import scaled_dot_product_attention
+        step = lambda: scaled_dot_product_attention(x["q"], x["k"], x["v"], x["cache"], scale=scale, mask=None)
+    else:
+        step = lambda: fast_decode.decode_step_fast(
+            x["q"], x["k"], x["v"], x["codes"], x["CT"], query_pos=T - 1, b=2048, w=64, sinks=8, topk=0.03,
+            inv_freqs=inv, traditional=False, scale=scale, code_counts=(counts, T), method=method)
+    for _ in range(3):
+        mx.eval(step())
+    builds = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        out = step()
+        builds.append((time.perf_counter() - t0) * 1e3)
+        mx.eval(out)
+    mx.synchronize()
+    rt = _cudart()
+    if rt is not None:
+        rt.cudaProfilerStart()
+    mx.eval(step())
+    mx.synchronize()
+    if rt is not None:
+        rt.cudaProfilerStop()
+    return {"method": method, "T": T, "dtype": dtype_name, "device": str(mx.default_device()),
+            "graph_build_ms_median": round(float(np.median(builds)), 4), "profiler_bracketed": rt is not None}
+
+
+def summarize(path: str) -> str:
+    """Kernel names and durations (us) from ncu's --csv output (metric gpu__time_duration.sum), and the total."""
+    rows = [r for r in csv.reader(open(path)) if len(r) > 10]
+    if not rows:
+        raise ValueError(f"{path}: no ncu CSV rows (run ncu with --csv --metrics gpu__time_duration.sum)")
+    head = rows[0]
+    name, val, unit = head.index("Kernel Name"), head.index("Metric Value"), head.index("Metric Unit")
+    lines, total = [], 0.0
+    for r in rows[1:]:
+        v = float(r[val].replace(",", ""))
+        us = v / 1000.0 if r[unit] in ("ns", "nsecond") else v * 1000.0 if r[unit] in ("ms", "msecond") else v
+        total += us
+        lines.append(f"{us:9.1f} us  {r[name][:120]}")
+    lines.append(f"total {total:.1f} us over {len(rows) - 1} kernels")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m a2ats_ref.decode_profile", description=__doc__.split("\n")[0])
+    ap.add_argument("--method", default="auto", choices=("dense",) + fast_decode.METHODS)
+    ap.add_argument("--T", type=int, default=262144)
+    ap.add_argument("--dtype", default="float16", choices=tuple(bench_speed.DTYPES))
+    ap.add_argument("--summarize", metavar="CSV", help="print the kernels of an ncu CSV instead of profiling")
+    a = ap.parse_args(argv)
+    if a.summarize:
+        print(summarize(a.summarize))
+        return 0
+    if a.T < 256 or a.T % 256:
+        ap.error("--T: a multiple of 256 (the bench's KVCache hands back its own buffer then)")
+    print(profile_step(a.method, a.T, a.dtype), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
