@@ -1,11 +1,13 @@
 """The paths a GPU runs, driven on the CPU with MLX CUDA's known hazards made loud.
 
-MLX CUDA 0.32 crashes the process (SIGFPE, segfault) when an empty array reaches some kernels, and a GPU run is
-rare and costly here, so the decode step and the cache are driven on the CPU under a guard: `mx` as the package
-modules see it claims a non-CPU default device (so every GPU branch is taken: the sort-free step, in-place
-argmin blocks, fixed-order k-means sums) and records every zero-size array handed to an `mx` operation. Found
-this way on the H200, each once: an empty forced-token piece in a selection mask, an empty reduction for a
-one-code codebook, an empty slot list when nothing is retrieved.
+MLX CUDA 0.32 crashes the process (SIGFPE, segfault) when an empty array reaches some kernels, and fails to launch
+`mx.fast.rope` with some offset-array lengths (251); a GPU run is rare and costly here, so the decode step and the
+cache are driven on the CPU under a guard: `mx` as the package modules see it claims a non-CPU default device (so
+every GPU branch is taken: the sort-free step, in-place argmin blocks, fixed-order k-means sums) and records every
+zero-size array handed to an `mx` operation and every multi-position rope offset array. Found on the H200, each
+once: an empty forced-token piece in a selection mask, an empty reduction for a one-code codebook, an empty slot
+list when nothing is retrieved, the cache's code assignment reading 251 positions' angles through one offset
+array.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ class _Guard:
 
         @functools.wraps(obj)
         def checked(*args, **kwargs):
+            off = kwargs.get("offset")
+            if f"{self._path}.{name}" == "mx.fast.rope" and isinstance(off, mx.array) and off.size > 1:
+                where = sys._getframe(1)   # a run of positions is one scalar-offset call, as mlx-lm makes it
+                self._found.append(f"mx.fast.rope(offset array of {off.size}) at "
+                                   f"{where.f_code.co_filename.split('/')[-1]}:{where.f_lineno}")
             for v in list(args) + list(kwargs.values()):
                 for a in v if isinstance(v, (list, tuple)) else (v,):
                     if isinstance(a, mx.array) and a.size == 0:
