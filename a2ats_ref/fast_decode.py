@@ -66,6 +66,9 @@ HOST_SELECT_MIN = 12288
 
 METHODS = ("auto", "host", "mlx", "sortfree", "cuda")
 
+#: fewest codes per head the host selection partially sorts before falling back to sorting all K (_select_host)
+HOST_TOP_CODES = 256
+
 
 #: set A2ATS_TUNE_ALLOCATOR=0 to keep glibc's malloc thresholds as they are (enable_a2ats then leaves them)
 TUNE_ALLOCATOR_ENV = "A2ATS_TUNE_ALLOCATOR"
@@ -197,32 +200,46 @@ def _select_mlx_fn(BH, G, K, kk, T_codes):
 def _select_host(lut, codes, *, BH, G, K, kk, c0, c1, bucket):
     """Exact per-head top-k + GQA union on the host (NumPy), without sorting tokens.
 
-    The k-th largest token score of head h is found on the LUT: sort the K code scores once, walk the
-    code counts (a bincount of the candidate codes) down to k. Tokens strictly above it are selected
-    through a per-group bit table indexed by code; the r_h tokens needed at the threshold itself are the
-    lowest-index tied tokens (the oracle's tie rule). Returns group index lists padded to a bucketed width.
+    The k-th largest token score of head h is found on the LUT: sort the code scores, walk the code counts (a
+    bincount of the candidate codes) down to k. Only the best few hundred codes of each head are sorted (an
+    argpartition; about 4x the codes k tokens occupy on average, at least HOST_TOP_CODES), which suffices
+    whenever they hold k tokens; otherwise all K are sorted. Tokens strictly above it are selected through a
+    per-group bit table indexed by code; the r_h tokens needed at the threshold itself are the lowest-index
+    tokens of the tied codes (the oracle's tie rule), found through a second bit table. Returns group index
+    lists padded to a bucketed width.
     """
     L = np.asarray(lut)                                                    # (BH, G, K) float32
     cds = np.asarray(codes).reshape(BH, -1)[:, c0:c1]
     n_c = c1 - c0
     counts = np.stack([np.bincount(cds[g], minlength=K) for g in range(BH)])   # (BH, K)
-    order = np.argsort(-L, axis=-1)                                        # (BH, G, K); tie order irrelevant
-    srt = np.take_along_axis(L, order, axis=-1)
-    cum = np.cumsum(counts[np.arange(BH)[:, None, None], order], axis=-1)
-    pos = (cum < kk).sum(axis=-1)                                          # first sorted code reaching k
-    thr = np.take_along_axis(srt, pos[..., None], axis=-1)                 # (BH, G, 1) k-th largest score
-    above = L > thr
-    n_above = (above * counts[:, None, :]).sum(axis=-1)                    # (BH, G) tokens strictly above
-    need = kk - n_above                                                    # tied tokens still needed (>= 1)
-    bits = (above.astype(np.uint64) << np.arange(G, dtype=np.uint64)[None, :, None]).sum(axis=1)
+    rows = np.arange(BH)[:, None, None]
+    order = None
+    m = min(K, max(HOST_TOP_CODES, 4 * -(-kk * K // max(n_c, 1))))
+    if m < K:
+        top = np.argpartition(-L, m - 1, axis=-1)[..., :m]                 # the m best codes of each head
+        top = np.take_along_axis(top, np.argsort(-np.take_along_axis(L, top, axis=-1), axis=-1), axis=-1)
+        cum = np.cumsum(counts[rows, top], axis=-1)
+        if (cum[..., -1] >= kk).all():                                     # else some head needs more codes
+            order = top
+    if order is None:
+        order = np.argsort(-L, axis=-1)                                    # (BH, G, K); tie order irrelevant
+        cum = np.cumsum(counts[rows, order], axis=-1)
+    first = np.take_along_axis(order, (cum < kk).sum(axis=-1)[..., None], axis=-1)   # code reaching k
+    thr = np.take_along_axis(L, first, axis=-1)                            # (BH, G, 1) k-th largest score
+    above, tied = L > thr, L == thr
+    need = kk - (above * counts[:, None, :]).sum(axis=-1)                  # (BH, G) tied tokens still needed (>= 1)
+    head_bit = np.left_shift(np.uint64(1), np.arange(G, dtype=np.uint64))[None, :, None]
+    bit_t = np.uint8 if G <= 8 else np.uint16 if G <= 16 else np.uint32 if G <= 32 else np.uint64
+    above_bits = (above * head_bit).sum(axis=1).astype(bit_t)             # (BH, K): heads taking the code whole
+    tied_bits = (tied * head_bit).sum(axis=1).astype(bit_t)               # (BH, K): heads tied at the code
     idx_rows = []
     for g in range(BH):
-        m = bits[g][cds[g]] != 0 if G <= 64 else None
+        sel = np.take(above_bits[g], cds[g]) != 0
+        tb = np.take(tied_bits[g], cds[g])
+        nz = np.flatnonzero(tb)                                            # tokens tied for some head, ascending
         for j in range(G):
-            tie_codes = np.flatnonzero(L[g, j] == thr[g, j, 0])
-            hit = cds[g] == tie_codes[0] if len(tie_codes) == 1 else np.isin(cds[g], tie_codes)
-            m[np.flatnonzero(hit)[: need[g, j]]] = True
-        idx_rows.append(np.flatnonzero(m))
+            sel[nz[((tb[nz] >> j) & 1) != 0][: need[g, j]]] = True
+        idx_rows.append(np.flatnonzero(sel))
     width = max(len(r) for r in idx_rows)
     width = min(-(-width // bucket) * bucket, G * kk, n_c)
     idx = np.zeros((BH, width), dtype=np.int32)

@@ -70,6 +70,32 @@ def test_host_selection_equals_oracle_decode_step(dtype):
     np.testing.assert_allclose(out[:, :, 0], expect, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("case", ["spread", "low_codes_only", "tied_levels"])
+def test_host_select_equals_oracle_top_k(case):
+    """_select_host against RET-SELECT's exact selection (lowest-index ties) at K = 4096, where it sorts only
+    the best few hundred codes of each head. "low_codes_only": every token holds one of each head's worst
+    codes, so the partially sorted codes hold none of them and the full sort must take over; "tied_levels":
+    the LUT has 8 distinct values, so hundreds of codes tie at the threshold."""
+    rng = np.random.default_rng(5)
+    BH, G, K, T, topk = 3, 3, 4096, 3000, 0.03
+    lut = rng.standard_normal((BH, G, K)).astype(np.float32)
+    if case == "tied_levels":
+        lut = np.round(lut * 2).astype(np.float32)
+    codes = rng.integers(0, K, (BH, T))
+    if case == "low_codes_only":
+        worst = np.argsort(lut.max(axis=1), axis=-1)[:, :300]        # codes no head of the group ranks high
+        codes = np.take_along_axis(worst, rng.integers(0, 300, (BH, T)), axis=-1)
+    kk = oracle.topk_count(T, topk, T)
+    idx, keep = fd._select_host(mx.array(lut), mx.array(codes.astype(np.uint16)), BH=BH, G=G, K=K, kk=kk, c0=0,
+                                c1=T, bucket=256)
+    got = np.zeros((BH, T), dtype=bool)
+    for g in range(BH):
+        got[g, np.asarray(idx)[g][np.asarray(keep)[g]]] = True
+    scores = oracle.token_scores(lut.reshape(1, BH * G, K).astype(np.float64), codes[None])
+    expect = oracle.select_tokens(scores, n_kv_heads=BH, query_pos=T - 1, w=0, sinks=0, topk=topk)[0]
+    np.testing.assert_array_equal(got, expect)
+
+
 def test_batch_gqa_and_preallocated_buffer():
     """B=2, G=3, a cache buffer longer than n_tokens: only the first n_tokens rows may be read."""
     q, k, v, codes, C = _case(3, B=2, n_q=6, n_kv=2, T=256)
