@@ -288,6 +288,21 @@ def numpy_blas_threads(n: int):
         set_(old)
 
 
+@contextlib.contextmanager
+def mlx_blas_threads(n: int):
+    """Run the OpenBLAS that MLX uses (the one preload loaded) on ``n`` threads inside the block, restored after.
+    A no-op where none was loaded."""
+    if _handle is None or not _state["effective"]:
+        yield
+        return
+    old = int(_handle.openblas_get_num_threads())
+    _handle.openblas_set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        _handle.openblas_set_num_threads(old)
+
+
 def blas_status() -> dict:
     """What was loaded, from where, and whether it can have taken effect.
 

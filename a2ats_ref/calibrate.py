@@ -259,6 +259,13 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
     n_seeders = 1 if mx.default_device().type == mx.cpu else max(1, min(8, (os.cpu_count() or 2) - 1))
     pool = ThreadPoolExecutor(max_workers=n_seeders, thread_name_prefix="kmeans++")
     ahead: dict = {}
+    # On the CPU the seeding worker holds a core, so MLX's OpenBLAS runs the Lloyd GEMMs on the others instead
+    # of spreading over every core and contending with it (2-core Xeon, three synthetic 81,920-point heads,
+    # K = 4096, 10 steps, seeding pipelined as here: 27.3 -> 25.7 s, system time 6.5 -> 0.8 s, the same
+    # centres bit for bit: a GEMM's elements do not depend on OpenBLAS's thread count at these shapes).
+    blas_threads = contextlib.ExitStack()
+    if mx.default_device().type == mx.cpu:
+        blas_threads.enter_context(_blas.mlx_blas_threads(max(1, (os.cpu_count() or 2) - n_seeders)))
 
     def seed_ahead(i: int) -> None:
         if i < len(todo) and i not in ahead:
@@ -316,6 +323,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
             last_rel.append(rels)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        blas_threads.close()
     timings["moment_cholesky_s"] = round(t_moment, 2)
     timings["kmeans_s"] = round(t_kmeans, 2)
     timings.update(phase_stats(km_stats))   # effective GFLOP/s of k-means++ and of the Lloyd steps

@@ -74,3 +74,20 @@ def test_numpy_blas_threads_sets_and_restores():
         assert int(get_()) == 2
     finally:
         set_(before)
+
+
+def test_mlx_blas_threads_sets_and_restores():
+    # a2ats-calibrate runs the Lloyd GEMMs inside mlx_blas_threads(cores - seeding workers).
+    from a2ats_ref import _blas
+
+    if _blas._handle is None or not _blas.blas_status()["effective"]:
+        pytest.skip("no OpenBLAS loaded for MLX in this process")
+    h = _blas._handle
+    before = int(h.openblas_get_num_threads())
+    h.openblas_set_num_threads(2)
+    try:
+        with _blas.mlx_blas_threads(1):
+            assert int(h.openblas_get_num_threads()) == 1
+        assert int(h.openblas_get_num_threads()) == 2
+    finally:
+        h.openblas_set_num_threads(before)
