@@ -319,7 +319,7 @@ class _HostPathHeadZeroCache(_SameClassOnLoad, ReferenceCache):
 
         fd._select_host = first_head_only
         # the host path on every device (off the CPU, auto takes the sort-free step at any length)
-        fd.auto_method = lambda n: "host" if n >= fd.HOST_SELECT_MIN else auto(n)
+        fd.auto_method = lambda n, **shape: "host" if n >= fd.HOST_SELECT_MIN else auto(n, **shape)
         try:
             return super().decode(q_post)
         finally:
