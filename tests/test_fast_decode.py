@@ -181,6 +181,14 @@ def test_blocked_gather_equals_one_block(monkeypatch, dtype, on_cpu):
     np.testing.assert_allclose(out[:, :, 0], oracle.retrieval_attention(q[:, :, 0], k, v, mask), rtol=rtol, atol=atol)
 
 
+def test_selection_in_one_block_is_split_over_the_lanes(on_cpu):
+    """A selection of LANE_SPLIT_MIN rows or more that fits one block still gives each CPU lane a part."""
+    S = 2 * fd.LANE_SPLIT_MIN
+    assert fd._gather_blocks(S, 3, 64, 2) == [(0, S // 2), (S // 2, S)]
+    assert fd._gather_blocks(fd.LANE_SPLIT_MIN - 1, 3, 64, 2) == [(0, fd.LANE_SPLIT_MIN - 1)]
+    assert fd._gather_blocks(S, 3, 64) == [(0, S)]
+
+
 # --------------------------------------------------------------------------- the sort-free step
 
 def _allowed(q, codes, C, *, query_pos, topk, traditional, n_kv=2, w=16, sinks=4, b=2048, dtype="float32"):
