@@ -1,4 +1,5 @@
-"""Shared test hooks: every conformance report a test writes must match the report schema the package ships."""
+"""Shared test hooks: every conformance report a test writes must match the report schema the package ships;
+`on_cpu` runs a test on MLX's CPU device."""
 
 import json
 import os
@@ -25,3 +26,15 @@ def _reports_match_the_shipped_schema(request):
             from a2ats_conformance.report import validate_report
 
             validate_report(data)
+
+
+@pytest.fixture
+def on_cpu():
+    """Run the test on MLX's CPU device (on a GPU machine too: CPU-only kernels and tactics), then restore it."""
+    import a2ats_ref  # noqa: F401  (before mlx: the BLAS preload)
+    import mlx.core as mx
+
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)

@@ -55,16 +55,7 @@ def test_selection_changes_output_when_topk_is_small(model):
     assert max(np.abs(x - y).max() for x, y in zip(ours[1:], ref[1:])) > 1e-3, "decode never used retrieval"
 
 
-@pytest.fixture
-def cpu_device():
-    """Run the test on MLX's CPU device (on a GPU machine too), then restore the default device."""
-    before = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(before)
-
-
-def test_host_prefill_is_dense_attention(model, monkeypatch, cpu_device):
+def test_host_prefill_is_dense_attention(model, monkeypatch, on_cpu):
     """PREFILL through the host kernel (prefill.causal_attention_host; forced here with HOST_PREFILL_MIN = 1):
     one-shot and chunked prefill (queries end-aligned to the keys) equal mlx-lm's KVCache path. The kernel
     is the CPU's (use_host_prefill never picks it on a GPU), so this runs on the CPU device everywhere."""

@@ -152,15 +152,6 @@ def test_errors_name_the_argument():
         decode_step_fast(m(q), m(k), m(v), mx.array(codes), CT, method="gpu", **kw)
 
 
-@pytest.fixture
-def on_cpu():
-    """Run on MLX's CPU device (blocked gathers are a CPU tactic; a GPU gathers in one block)."""
-    dev = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(dev)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_blocked_gather_equals_one_block(monkeypatch, dtype, on_cpu):
     """The attention step gathers the selection in blocks (GATHER_BLOCK_BYTES) and sums p @ V over them;
