@@ -270,16 +270,8 @@ def _find_numpy_blas():
 
 
 @contextlib.contextmanager
-def numpy_blas_threads(n: int):
-    """Run NumPy's own BLAS on ``n`` threads inside the block (restored after): for code that calls NumPy's
-    matmul from several Python threads at once, where each call spreading over every core oversubscribes
-    them (measured: 2 threads x 2 BLAS threads on 2 cores, host attention 1.7x slower than with 1 each).
-    A no-op where NumPy's BLAS cannot be found."""
-    fns = _find_numpy_blas()
-    if fns is None:
-        yield
-        return
-    set_, get_ = fns
+def _threads(set_, get_, n: int):
+    """set_(n) inside the block, get_()'s value restored after."""
     old = int(get_())
     set_(int(n))
     try:
@@ -288,19 +280,21 @@ def numpy_blas_threads(n: int):
         set_(old)
 
 
-@contextlib.contextmanager
+def numpy_blas_threads(n: int):
+    """Run NumPy's own BLAS on ``n`` threads inside the block (restored after): for code that calls NumPy's
+    matmul from several Python threads at once, where each call spreading over every core oversubscribes
+    them (measured: 2 threads x 2 BLAS threads on 2 cores, host attention 1.7x slower than with 1 each).
+    A no-op where NumPy's BLAS cannot be found."""
+    fns = _find_numpy_blas()
+    return contextlib.nullcontext() if fns is None else _threads(*fns, n)
+
+
 def mlx_blas_threads(n: int):
     """Run the OpenBLAS that MLX uses (the one preload loaded) on ``n`` threads inside the block, restored after.
     A no-op where none was loaded."""
     if _handle is None or not _state["effective"]:
-        yield
-        return
-    old = int(_handle.openblas_get_num_threads())
-    _handle.openblas_set_num_threads(int(n))
-    try:
-        yield
-    finally:
-        _handle.openblas_set_num_threads(old)
+        return contextlib.nullcontext()
+    return _threads(_handle.openblas_set_num_threads, _handle.openblas_get_num_threads, n)
 
 
 def blas_status() -> dict:

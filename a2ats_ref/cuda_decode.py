@@ -547,9 +547,8 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
     qb = np.concatenate([a1 * np.cos(th_b) - b1 * np.sin(th_b), a1 * np.sin(th_b) + b1 * np.cos(th_b)], -1) * scale
     lut64 = np.einsum("hgd,hkd->hgk", qb, x["C"].astype(np.float64))
     lut_err = float(np.abs(np.array(table).reshape(lut64.shape) - lut64).max() / np.abs(lut64).max())
-    cand = (fd._candidate_counts(x["codes"], counts, mx.array(c0), mx.array(c1), mx.array(n), BH=BH, K=K, T_codes=T,
-                                 sinks=sinks, w=w) if kept
-            else fd._counts_from_codes(x["codes"], mx.array(c0), mx.array(c1), BH=BH, K=K, T_codes=T))
+    cand = fd._step_counts(x["codes"], counts, mx.array(c0), mx.array(c1), mx.array(n), kept=kept, BH=BH, K=K,
+                           T_codes=T, sinks=sinks, w=w)
     idx_p, keep_p = fd._sortfree_select(table, x["codes"], cand, mx.array(kk, mx.int32), mx.array(c0), mx.array(c1),
                                         mx.array(S), BH=BH, T_codes=T, S=S)
     forced_idx = mx.array(np.asarray(forced, dtype=np.int32))

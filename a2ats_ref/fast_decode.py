@@ -537,10 +537,9 @@ class Selection(NamedTuple):
         if F:   # no empty piece enters a GPU graph (MLX CUDA 0.32 crashes on them: SIGFPE on the H200)
             idx = mx.concatenate([mx.broadcast_to(self.forced[None], (BH, F)), idx], axis=-1)
             keep = mx.concatenate([mx.ones((BH, F), dtype=mx.bool_), keep], axis=-1)
-        m = mx.zeros((BH, n + 1), dtype=mx.bool_)
-        if idx.shape[-1]:
-            # dropped slots write into the extra column n, which is cut off
-            m = mx.put_along_axis(m, mx.where(keep, idx, n), mx.array(True), axis=-1)
+        # never empty (a step with nothing to retrieve has one padding slot); dropped slots write into the
+        # extra column n, which is cut off
+        m = mx.put_along_axis(mx.zeros((BH, n + 1), dtype=mx.bool_), mx.where(keep, idx, n), mx.array(True), axis=-1)
         return m[:, :n].reshape(B, n_kv, n)
 
 
@@ -605,7 +604,8 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
         from . import cuda_decode
         if not (cuda_decode.on_cuda() and cuda_decode.shapes_supported(G, d, values.shape[-1], K)):
             raise ValueError("method='cuda' needs MLX's CUDA backend as the default device and d == dv, a multiple "
-                             f"of 32 (got d={d}, dv={values.shape[-1]}, G={G}); use method='sortfree' elsewhere")
+                             f"of 32, and a head shape whose counts fit a block (got d={d}, dv={values.shape[-1]}, G={G}, "
+                             f"K={K}: cuda_decode.shapes_supported); use method='sortfree' elsewhere")
     if method in ("sortfree", "cuda") and kk > 0:
         return _decode_sortfree(queries, keys, values, codes, CT, inv, cuda=method == "cuda", i=i, b=b, kk=kk, c0=c0,
                                 c1=c1, forced=forced, w=int(w), sinks=int(sinks), scale=scale,
