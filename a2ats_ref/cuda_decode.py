@@ -19,8 +19,10 @@ kernels and its time on an H200 was launch overhead (ncu: 81 kernels, most of 2-
 6. ``merge``: the blocks' partials into the output, in the values' dtype.
 
 Every per-step number (kk, the candidate range, the coded count, the slot count, the forced tokens; b, the
-query position, the scale) travels in one int32 and one float32 array, so decoding never recompiles a kernel;
-NVRTC compiles each kernel once per dtype and head shape.
+query position and the scale as float32 bits) travels in one small int32 array, so decoding never recompiles a
+kernel and makes one host array per step (on the H200 each fresh host array a step hands its kernels cost
+~0.05 ms of wall time: two arrays against none, 0.74 vs 0.58 ms at 256K float16); NVRTC compiles each kernel once
+per dtype and head shape.
 
 ``fast_decode`` runs this for method="cuda", and "auto" takes it on CUDA when ``usable()``: a once-per-process
 self-check that the kernels compile and reproduce the portable parts (the LUT against float64, the slots
@@ -45,10 +47,10 @@ WARPS, SLOTS_PER_WARP, ROWS_IN_FLIGHT = 8, 16, 4
 LUT_THREADS = 64
 #: static shared memory a kernel may use (CUDA's limit without opt-in is 48 KB)
 _SHARED_LIMIT = 46 * 1024
-#: int32 parameters before the forced token list in the per-step parameter array
-_IP_FIXED = 9
+#: int32 parameters before the forced token list in the per-step parameter array (step_params)
+_IP_FIXED = 12
 
-_HEADER = """
+_HEADER = f"#define A2ATS_IPF {_IP_FIXED}\n" + """
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 __device__ inline float a2ats_f32(float x) { return x; }
@@ -63,14 +65,14 @@ __device__ inline unsigned a2ats_key(float f) {
 }
 """
 
-# q (B, n_q, 1, D) post-RoPE in the cache dtype; CT (n_kv, D, K); inv, tc, ts (D/2,); fp = (b, query position,
-# scale). Undo the applied angle (tables tc/ts when TABLES, else position * inv), apply b, scale: the LUT.
+# q (B, n_q, 1, D) post-RoPE in the cache dtype; CT (n_kv, D, K); inv, tc, ts (D/2,); ip[9..11] = the float32 bits
+# of (b, query position, scale). Undo the applied angle (tables tc/ts when TABLES, else position * inv), apply b, scale: the LUT.
 _LUT_SRC = """
     constexpr int H2 = D / 2;
     const int bh = blockIdx.y, h = bh % NKV;
     const int K = CT_shape[2];
     __shared__ float qs[G * D];
-    const float bpos = fp[0], qpos = fp[1], scale = fp[2];
+    const float bpos = __int_as_float(ip[9]), qpos = __int_as_float(ip[10]), scale = __int_as_float(ip[11]);
     for (int e = threadIdx.x; e < G * H2; e += blockDim.x) {
         const int g = e / H2, i = e - g * H2;
         const int ia = TRAD ? 2 * i : i, ib = TRAD ? 2 * i + 1 : i + H2;
@@ -99,7 +101,7 @@ _LUT_SRC = """
     }
 """
 
-# ip = (kk, c0, c1, counted, S, kept, F, sinks, w, forced...). One block of 1,024 threads per (b, kv) row.
+# ip = (kk, c0, c1, counted, S, kept, F, sinks, w, b, query position, scale, forced...). One block of 1,024 threads per (b, kv) row.
 _LEVELS_SRC = """
     const int r = blockIdx.y, tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
     const int Tc = codes_shape[1];
@@ -248,7 +250,7 @@ _SCATTER_SRC = _BALLOT + """
     }
 """
 
-# q (B, n_q, 1, D) post-RoPE; keys/values (B, n_kv, T_buf, D); slot s < F is the forced token ip[9 + s], slot
+# q (B, n_q, 1, D) post-RoPE; keys/values (B, n_kv, T_buf, D); slot s < F is the forced token ip[A2ATS_IPF + s], slot
 # s >= F is idx[s - F]; F + min(n1 + n2, S) slots are valid. Per (row, block, head): pm max logit, pl sum,
 # pacc (D,) sum of p * V.
 _ATTEND_SRC = """
@@ -258,7 +260,7 @@ _ATTEND_SRC = """
     const int S = ip[4], F = ip[6];
     const int nv = F + min(nsel[r * 2] + nsel[r * 2 + 1], S);
     const int Tb = keys_shape[2];
-    const float scale = fp[2];
+    const float scale = __int_as_float(ip[11]);
     const float NEG = __int_as_float(0xff800000);
     float qv[G][DPL], acc[G][DPL], m[G], l[G];
     for (int g = 0; g < G; ++g) {
@@ -275,7 +277,7 @@ _ATTEND_SRC = """
         float kf[U][DPL], vf[U][DPL];
         for (int u = 0; u < U; ++u) {
             const int ss = s + u;
-            const int tok = ss >= s1 ? 0 : (ss < F ? ip[9 + ss] : idx[(size_t)r * S + ss - F]);
+            const int tok = ss >= s1 ? 0 : (ss < F ? ip[A2ATS_IPF + ss] : idx[(size_t)r * S + ss - F]);
             const size_t row = ((size_t)r * Tb + (size_t)tok) * D + lane * DPL;
             const a2ats_vec<T, DPL> kx = *reinterpret_cast<const a2ats_vec<T, DPL>*>(keys + row);
             const a2ats_vec<T, DPL> vx = *reinterpret_cast<const a2ats_vec<T, DPL>*>(values + row);
@@ -376,7 +378,7 @@ def shapes_supported(G: int, d: int, dv: int, K: int = 4096) -> bool:
 def _kernels():
     ck = mx.fast.cuda_kernel
     return {
-        "lut": ck(name="a2ats_lut", input_names=["q", "CT", "inv", "tc", "ts", "fp"], output_names=["lut"],
+        "lut": ck(name="a2ats_lut", input_names=["q", "CT", "inv", "tc", "ts", "ip"], output_names=["lut"],
                   source=_LUT_SRC, header=_HEADER),
         "levels": ck(name="a2ats_levels", input_names=["lut", "counts", "codes", "ip"],
                      output_names=["levels", "nsel"], source=_LEVELS_SRC, header=_HEADER),
@@ -384,7 +386,7 @@ def _kernels():
                     source=_COUNT_SRC, header=_HEADER),
         "scatter": ck(name="a2ats_scatter", input_names=["codes", "levels", "ip", "cnt", "nsel"],
                       output_names=["idx"], source=_SCATTER_SRC, header=_HEADER),
-        "attend": ck(name="a2ats_attend", input_names=["q", "keys", "values", "idx", "nsel", "ip", "fp"],
+        "attend": ck(name="a2ats_attend", input_names=["q", "keys", "values", "idx", "nsel", "ip"],
                      output_names=["pm", "pl", "pacc"], source=_ATTEND_SRC, header=_HEADER),
         "merge": ck(name="a2ats_merge", input_names=["pm", "pl", "pacc"], output_names=["out"],
                     source=_MERGE_SRC, header=_HEADER),
@@ -392,13 +394,14 @@ def _kernels():
 
 
 def step_params(*, kk: int, c0: int, c1: int, counted: int, S: int, kept: bool, forced, sinks: int, w: int,
-                b: float, query_pos: float, scale: float) -> tuple[mx.array, mx.array]:
-    """The per-step numbers as the kernels read them: (ip int32, fp float32)."""
-    ip = np.array([kk, c0, c1, counted, S, int(kept), len(forced), sinks, w, *forced], dtype=np.int32)
-    return mx.array(ip), mx.array(np.array([b, query_pos, scale, 0.0], dtype=np.float32))
+                b: float, query_pos: float, scale: float) -> mx.array:
+    """The per-step numbers as the kernels read them: one int32 array, (b, query_pos, scale) as float32 bits."""
+    floats = np.array([b, query_pos, scale], dtype=np.float32).view(np.int32)
+    return mx.array(np.concatenate([np.array([kk, c0, c1, counted, S, int(kept), len(forced), sinks, w], np.int32),
+                                    floats, np.asarray(forced, dtype=np.int32)]))
 
 
-def lut(queries, CT, inv, fp, *, traditional: bool, applied_angle=None) -> mx.array:
+def lut(queries, CT, inv, ip, *, traditional: bool, applied_angle=None) -> mx.array:
     """(B·n_kv, G, K) float32: scale · q R_{b - applied} · C per code (kernel 1)."""
     B, n_q, _, d = queries.shape
     n_kv, K = CT.shape[0], CT.shape[-1]
@@ -406,7 +409,7 @@ def lut(queries, CT, inv, fp, *, traditional: bool, applied_angle=None) -> mx.ar
     tables = applied_angle is not None
     tc, ts = applied_angle if tables else (inv, inv)
     (out,) = _kernels()["lut"](
-        inputs=[queries, CT, inv, tc, ts, fp], output_shapes=[(BH, G, K)], output_dtypes=[mx.float32],
+        inputs=[queries, CT, inv, tc, ts, ip], output_shapes=[(BH, G, K)], output_dtypes=[mx.float32],
         grid=(-(-K // LUT_THREADS) * LUT_THREADS, BH, 1), threadgroup=(LUT_THREADS, 1, 1),
         template=[("T", queries.dtype), ("G", G), ("D", d), ("NKV", n_kv), ("TRAD", int(traditional)),
                   ("TABLES", int(tables))])
@@ -438,7 +441,7 @@ def compact(lv, nsel, codes2d, ip, S: int):
     return idx
 
 
-def attend(queries, keys, values, idx, nsel, ip, fp, F: int) -> mx.array:
+def attend(queries, keys, values, idx, nsel, ip, F: int) -> mx.array:
     """Exact softmax attention over the forced tokens and the valid slots of idx (kernels 5, 6); (B, n_q, 1, d)."""
     k = _kernels()
     B, n_q, _, d = queries.shape
@@ -447,7 +450,7 @@ def attend(queries, keys, values, idx, nsel, ip, fp, F: int) -> mx.array:
     per_block = WARPS * SLOTS_PER_WARP
     NC = max(1, -(-(S + F) // per_block))
     pm, pl, pacc = k["attend"](
-        inputs=[queries, keys, values, idx, nsel, ip, fp],
+        inputs=[queries, keys, values, idx, nsel, ip],
         output_shapes=[(BH, NC, G), (BH, NC, G), (BH, NC, G, d)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
         grid=(NC * WARPS * 32, BH, 1), threadgroup=(WARPS * 32, 1, 1),
@@ -463,18 +466,22 @@ def attend(queries, keys, values, idx, nsel, ip, fp, F: int) -> mx.array:
 def decode(queries, keys, values, codes, CT, inv, *, counts, kept: bool, kk: int, c0: int, c1: int, counted: int,
            S: int, forced, sinks: int, w: int, b: float, query_pos: float, scale: float, traditional: bool,
            applied_angle=None):
-    """One sort-free decode step in six kernels: (out (B, n_q, 1, d), idx (BH, S), keep (BH, S))."""
+    """One sort-free decode step in six kernels: (out (B, n_q, 1, d), idx (BH, S), nsel (BH, 2)); keep_flags(nsel,
+    S) gives the valid slots (only built when asked for: each extra op costs host time on every step)."""
     B, n_kv = keys.shape[:2]
     BH, K = B * n_kv, CT.shape[-1]
     codes2d = codes.reshape(BH, codes.shape[-1])
-    ip, fp = step_params(kk=kk, c0=c0, c1=c1, counted=counted, S=S, kept=kept, forced=forced, sinks=sinks, w=w,
-                         b=b, query_pos=query_pos, scale=scale)
-    table = lut(queries, CT, inv, fp, traditional=traditional, applied_angle=applied_angle)
+    ip = step_params(kk=kk, c0=c0, c1=c1, counted=counted, S=S, kept=kept, forced=forced, sinks=sinks, w=w, b=b,
+                     query_pos=query_pos, scale=scale)
+    table = lut(queries, CT, inv, ip, traditional=traditional, applied_angle=applied_angle)
     lv, nsel = levels(table, counts.reshape(BH, K), codes2d, ip)
     idx = compact(lv, nsel, codes2d, ip, S)
-    out = attend(queries, keys, values, idx, nsel, ip, fp, len(forced))
-    keep = mx.arange(S, dtype=mx.int32)[None] < mx.minimum(nsel[:, 0] + nsel[:, 1], S)[:, None]
-    return out, idx, keep
+    return attend(queries, keys, values, idx, nsel, ip, len(forced)), idx, nsel
+
+
+def keep_flags(nsel, S: int) -> mx.array:
+    """(BH, S) bool: which of decode's slots hold a selected token (the first nsel level-1 + level-2 ones)."""
+    return mx.arange(S, dtype=mx.int32)[None] < mx.minimum(nsel[:, 0] + nsel[:, 1], S)[:, None]
 
 
 _USABLE: dict = {}
@@ -530,12 +537,13 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
     inv = mx.array(x["inv"])
     counts = fd.code_counts(x["codes"], K) if kept else mx.zeros((1, n_kv, K), dtype=mx.int32)
     scale = 1.0 / np.sqrt(d)
-    out, idx, keep = decode(x["q"], x["k"], x["v"], x["codes"], x["CT"], inv, counts=counts, kept=kept, kk=kk, c0=c0,
+    out, idx, nsel = decode(x["q"], x["k"], x["v"], x["codes"], x["CT"], inv, counts=counts, kept=kept, kk=kk, c0=c0,
                             c1=c1, counted=n if kept else 0, S=S, forced=forced, sinks=sinks, w=w, b=float(b),
                             query_pos=float(n - 1), scale=float(scale), traditional=False)
-    ip, fp = step_params(kk=kk, c0=c0, c1=c1, counted=n, S=S, kept=kept, forced=forced, sinks=sinks, w=w,
+    keep = keep_flags(nsel, S)
+    ip = step_params(kk=kk, c0=c0, c1=c1, counted=n, S=S, kept=kept, forced=forced, sinks=sinks, w=w,
                          b=float(b), query_pos=float(n - 1), scale=float(scale))
-    table = lut(x["q"], x["CT"], inv, fp, traditional=False)
+    table = lut(x["q"], x["CT"], inv, ip, traditional=False)
     # float64 LUT: q de-rotated by (n - 1) * inv, rotated by b * inv, scaled, times C
     q64 = np.array(x["q"].astype(mx.float32), dtype=np.float64).reshape(n_kv, G, d)
     # EQ-12 undoes the float32 angle mlx-lm applied: the angles are float32 products, the rest float64

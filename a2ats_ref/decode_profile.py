@@ -33,11 +33,14 @@ from . import bench_speed, fast_decode  # noqa: E402
 
 def _cudart():
     """libcudart next to MLX's CUDA libraries (None on other backends: the brackets are then no-ops)."""
-    roots = [os.path.dirname(p) for p in sys.path if p.endswith("site-packages")]
+    roots = [p for p in sys.path if p.endswith("site-packages")]
     for root in roots:
         for lib in sorted(glob.glob(os.path.join(root, "nvidia", "**", "libcudart.so*"), recursive=True)):
             return ctypes.CDLL(lib)
-    return None
+    try:   # MLX may link the runtime statically: the system's then (profiler start/stop act on the shared context)
+        return ctypes.CDLL("libcudart.so") if mx.default_device().type != mx.cpu else None
+    except OSError:
+        return None
 
 
 def profile_step(method: str, T: int, dtype_name: str) -> dict:

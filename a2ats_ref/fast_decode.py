@@ -653,14 +653,19 @@ def _decode_sortfree(queries, keys, values, codes, CT, inv, *, cuda=False, i, b,
         counts, counted = mx.zeros((B, n_kv, K), dtype=mx.int32), 0
     f32, i32 = mx.float32, mx.int32
     S = sortfree_width(kk, n_q // n_kv, K, c1 - c0)
-    forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
+    wants_selection = return_mask or return_selection
     if cuda:
         from . import cuda_decode
-        out, idx, keep = cuda_decode.decode(
+        out, idx, nsel = cuda_decode.decode(
             queries, keys, values, codes, CT, inv.astype(f32), counts=counts.astype(i32), kept=kept, kk=kk, c0=c0,
             c1=c1, counted=counted, S=S, forced=forced, sinks=sinks, w=w, b=float(b), query_pos=float(i),
             scale=scale, traditional=traditional, applied_angle=applied_angle)
+        if not wants_selection:   # the slot flags and the forced list are host ops on every step: only when asked
+            return out
+        keep = cuda_decode.keep_flags(nsel, S)
+        forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
     else:
+        forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
         tables = applied_angle is not None
         pos = mx.stack(list(applied_angle)) if tables else mx.array(float(i), f32)
         fn = _sortfree_step_fn(B, n_q, n_kv, d, values.shape[-1], K, T_buf, T_codes, S, len(forced), traditional,
@@ -670,7 +675,7 @@ def _decode_sortfree(queries, keys, values, codes, CT, inv, *, cuda=False, i, b,
         out, idx, keep = fn(queries, keys, values, codes, CT, inv.astype(f32), mx.array(float(b), f32), pos,
                             counts.astype(i32), mx.array(kk, i32), mx.array(c0, i32), mx.array(c1, i32),
                             mx.array(counted, i32), mx.array(S, i32), forced_in, mx.array(scale, dtype=f32))
-    if not (return_mask or return_selection):
-        return out
+        if not wants_selection:
+            return out
     sel = Selection(idx, keep, forced_idx, (B, n_kv, n_tokens))
     return out, (sel if return_selection else sel.mask())
