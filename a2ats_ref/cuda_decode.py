@@ -104,7 +104,7 @@ _LUT_SRC = """
 # ip = (kk, c0, c1, counted, S, kept, F, sinks, w, b, query position, scale, forced...). One block of 1,024 threads per (b, kv) row.
 _LEVELS_SRC = """
     const int r = blockIdx.y, tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
-    const int Tc = codes_shape[1];
+    const int Tc = codes_shape[2];   // codes (B, n_kv, T): row r = b * n_kv + h
     const int kk = ip[0], c0 = ip[1], c1 = ip[2], counted = ip[3], kept = ip[5], sinks = ip[7], w = ip[8];
     __shared__ int cnt[KS];
     __shared__ int hist[G * 256];
@@ -194,7 +194,7 @@ _LEVELS_SRC = """
 _BALLOT = """
     const int r = blockIdx.y;
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    const int Tc = codes_shape[1];
+    const int Tc = codes_shape[2];   // codes (B, n_kv, T): row r = b * n_kv + h
     const int K = levels_shape[1];
     int lv = 0;
     if (j < Tc && j >= ip[1] && j < ip[2]) lv = (int)levels[(size_t)r * K + (int)codes[(size_t)r * Tc + j]];
@@ -416,27 +416,28 @@ def lut(queries, CT, inv, ip, *, traditional: bool, applied_angle=None) -> mx.ar
     return out
 
 
-def levels(lut_, counts2d, codes2d, ip):
-    """(levels (BH, K) uint8, nsel (BH, 2) int32 = level-1 and level-2 token counts) (kernel 2)."""
+def levels(lut_, counts, codes, ip):
+    """(levels (BH, K) uint8, nsel (BH, 2) int32 = level-1 and level-2 token counts) (kernel 2); counts (B, n_kv,
+    K) and codes (B, n_kv, T) as the cache holds them (no reshape: every op is host time on every step)."""
     BH, G, K = lut_.shape
     lv, nsel = _kernels()["levels"](
-        inputs=[lut_, counts2d, codes2d, ip], output_shapes=[(BH, K), (BH, 2)],
+        inputs=[lut_, counts, codes, ip], output_shapes=[(BH, K), (BH, 2)],
         output_dtypes=[mx.uint8, mx.int32], grid=(BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1),
-        template=[("G", G), ("KS", K), ("CodeT", codes2d.dtype)])
+        template=[("G", G), ("KS", K), ("CodeT", codes.dtype)])
     return lv, nsel
 
 
-def compact(lv, nsel, codes2d, ip, S: int):
+def compact(lv, nsel, codes, ip, S: int):
     """idx (BH, S) int32: the selected candidates, level 1 first, each level in index order (kernels 3, 4).
 
     Slots past the selection hold 0 (written by the scatter kernel itself; keep is False there)."""
     k = _kernels()
-    BH, T_codes = codes2d.shape
+    BH, T_codes = lv.shape[0], codes.shape[-1]
     NB = -(-T_codes // BLOCK)
-    tmpl = [("CodeT", codes2d.dtype)]
-    (cnt,) = k["count"](inputs=[codes2d, lv, ip], output_shapes=[(BH, NB, 2)], output_dtypes=[mx.int32],
+    tmpl = [("CodeT", codes.dtype)]
+    (cnt,) = k["count"](inputs=[codes, lv, ip], output_shapes=[(BH, NB, 2)], output_dtypes=[mx.int32],
                         grid=(NB * BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1), template=tmpl)
-    (idx,) = k["scatter"](inputs=[codes2d, lv, ip, cnt, nsel], output_shapes=[(BH, S)], output_dtypes=[mx.int32],
+    (idx,) = k["scatter"](inputs=[codes, lv, ip, cnt, nsel], output_shapes=[(BH, S)], output_dtypes=[mx.int32],
                           grid=(NB * BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1), template=tmpl)
     return idx
 
@@ -457,10 +458,10 @@ def attend(queries, keys, values, idx, nsel, ip, F: int) -> mx.array:
         template=[("T", keys.dtype), ("G", G), ("D", d), ("NW", WARPS), ("CH", SLOTS_PER_WARP),
                   ("U", ROWS_IN_FLIGHT)])
     MT = max(d, (1024 // d) * d)   # threads per merge block: a whole number of D-wide groups
-    (out,) = k["merge"](inputs=[pm, pl, pacc], output_shapes=[(BH, G, d)], output_dtypes=[values.dtype],
+    (out,) = k["merge"](inputs=[pm, pl, pacc], output_shapes=[(B, n_q, 1, d)], output_dtypes=[values.dtype],
                         grid=(G * MT, BH, 1), threadgroup=(MT, 1, 1),
                         template=[("T", values.dtype), ("G", G), ("D", d), ("MT", MT)])
-    return out.reshape(B, n_q, 1, d)
+    return out
 
 
 def decode(queries, keys, values, codes, CT, inv, *, counts, kept: bool, kk: int, c0: int, c1: int, counted: int,
@@ -468,14 +469,11 @@ def decode(queries, keys, values, codes, CT, inv, *, counts, kept: bool, kk: int
            applied_angle=None):
     """One sort-free decode step in six kernels: (out (B, n_q, 1, d), idx (BH, S), nsel (BH, 2)); keep_flags(nsel,
     S) gives the valid slots (only built when asked for: each extra op costs host time on every step)."""
-    B, n_kv = keys.shape[:2]
-    BH, K = B * n_kv, CT.shape[-1]
-    codes2d = codes.reshape(BH, codes.shape[-1])
     ip = step_params(kk=kk, c0=c0, c1=c1, counted=counted, S=S, kept=kept, forced=forced, sinks=sinks, w=w, b=b,
                      query_pos=query_pos, scale=scale)
     table = lut(queries, CT, inv, ip, traditional=traditional, applied_angle=applied_angle)
-    lv, nsel = levels(table, counts.reshape(BH, K), codes2d, ip)
-    idx = compact(lv, nsel, codes2d, ip, S)
+    lv, nsel = levels(table, counts, codes, ip)
+    idx = compact(lv, nsel, codes, ip, S)
     return attend(queries, keys, values, idx, nsel, ip, len(forced)), idx, nsel
 
 
