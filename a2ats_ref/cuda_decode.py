@@ -568,10 +568,18 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
             "max_rel_err": float(np.abs(o - r).max() / max(np.abs(r).max(), 1e-30)), "dtype": str(dtype), "T": T}
 
 
+#: the self-check's bound on the attention's relative difference from the portable step, per value dtype: both
+#: outputs are rounded to that dtype, so bfloat16 (8 significant bits, an ulp of 2^-8 = 3.9e-3 relative at the
+#: top of a binade) needs a wider bound than float16/float32; the H200's bfloat16 check at d2a0105..f821255 differed
+#: by 3.2e-3 and fell back to the portable step for want of one ulp
+SELF_CHECK_ATTN_REL = {"float32": 2e-3, "float16": 2e-3, "bfloat16": 1e-2}
+
+
 def _self_check(dtype, G: int, n_kv: int, d: int, K: int) -> bool:
     try:
         diff = compare_parts(T=3000, n_q=G * n_kv, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=1)
-        if not (diff["same_slots"] and diff["lut_rel_err"] <= 1e-5 and diff["max_rel_err"] <= 2e-3):
+        bound = SELF_CHECK_ATTN_REL[str(dtype).rsplit(".", 1)[-1]]
+        if not (diff["same_slots"] and diff["lut_rel_err"] <= 1e-5 and diff["max_rel_err"] <= bound):
             warnings.warn(f"a2ats_ref: the CUDA decode kernels disagree with the portable step ({diff}); "
                           "decoding uses the portable sort-free step", RuntimeWarning, stacklevel=3)
             return False

@@ -196,6 +196,13 @@ def test_cuda_step_parts_match_the_portable_step(dtype, T, n_q, n_kv, d, K, kept
     assert diff["max_rel_err"] <= (1e-5 if dtype == mx.float32 else 1e-2), diff
 
 
+def test_self_check_bound_covers_each_dtype_rounding():
+    # the attention bound of the self-check must admit one ulp of the output dtype (both sides round to it) and
+    # nothing near a real error: float16 within 2 ulps, bfloat16 within 3 (the H200 check differed by 3.2e-3)
+    for name, ulp in (("float32", 2.0 ** -23), ("float16", 2.0 ** -10), ("bfloat16", 2.0 ** -7)):
+        assert ulp <= cuda_decode.SELF_CHECK_ATTN_REL[name] <= max(2e-3, 1.3 * ulp), name
+
+
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend (the kernels are CUDA source)")
 def test_auto_takes_the_cuda_step_where_it_is_usable():
     assert cuda_decode.usable()
