@@ -33,6 +33,7 @@ suite checks on every backend.
 
 from __future__ import annotations
 
+import struct
 import warnings
 from functools import lru_cache
 
@@ -360,12 +361,17 @@ _MERGE_SRC = """
 
 def on_cuda() -> bool:
     """True when MLX's default device is a CUDA GPU (not Metal, not the CPU)."""
-    if mx.default_device().type == mx.cpu:
-        return False
+    return mx.default_device().type != mx.cpu and _cuda_backend()
+
+
+@lru_cache(maxsize=None)
+def _cuda_backend() -> bool:
+    """Whether this MLX build's GPU is CUDA (asked once: the decode step checks on_cuda on every token)."""
     cuda = getattr(mx, "cuda", None)
     return bool(cuda is not None and cuda.is_available() and hasattr(mx.fast, "cuda_kernel"))
 
 
+@lru_cache(maxsize=None)
 def shapes_supported(G: int, d: int, dv: int, K: int = 4096) -> bool:
     """The kernels hold d/32 dims per lane, one warp per query head of a group in the radix select, the code
     counts and G 256-bin histograms in one block's shared memory, and per-warp partials in the attention's."""
@@ -396,9 +402,8 @@ def _kernels():
 def step_params(*, kk: int, c0: int, c1: int, counted: int, S: int, kept: bool, forced, sinks: int, w: int,
                 b: float, query_pos: float, scale: float) -> mx.array:
     """The per-step numbers as the kernels read them: one int32 array, (b, query_pos, scale) as float32 bits."""
-    floats = np.array([b, query_pos, scale], dtype=np.float32).view(np.int32)
-    return mx.array(np.concatenate([np.array([kk, c0, c1, counted, S, int(kept), len(forced), sinks, w], np.int32),
-                                    floats, np.asarray(forced, dtype=np.int32)]))
+    bits = list(struct.unpack("3i", struct.pack("3f", b, query_pos, scale)))   # one list, one mx.array: cheapest
+    return mx.array([kk, c0, c1, counted, S, int(kept), len(forced), sinks, w, *bits, *forced], dtype=mx.int32)
 
 
 def lut(queries, CT, inv, ip, *, traditional: bool, applied_angle=None) -> mx.array:

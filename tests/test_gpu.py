@@ -196,6 +196,17 @@ def test_cuda_step_parts_match_the_portable_step(dtype, T, n_q, n_kv, d, K, kept
     assert diff["max_rel_err"] <= (1e-5 if dtype == mx.float32 else 1e-2), diff
 
 
+def test_step_params_layout_is_what_the_kernels_read():
+    # the kernels read ip[0..8] as ints, ip[9..11] as float32 bits (b, query position, scale) and the forced tokens
+    # from A2ATS_IPF = _IP_FIXED on: a host/kernel mismatch here would decode silently wrong
+    ip = np.array(cuda_decode.step_params(kk=5, c0=8, c1=100, counted=164, S=256, kept=True, forced=[0, 1, 150],
+                                          sinks=8, w=64, b=2048.0, query_pos=163.0, scale=0.125))
+    assert ip.dtype == np.int32 and ip[:9].tolist() == [5, 8, 100, 164, 256, 1, 3, 8, 64]
+    assert ip[9:12].view(np.float32).tolist() == [2048.0, 163.0, 0.125]
+    assert ip[cuda_decode._IP_FIXED:].tolist() == [0, 1, 150]
+    assert f"#define A2ATS_IPF {cuda_decode._IP_FIXED}" in cuda_decode._HEADER
+
+
 def test_self_check_bound_covers_each_dtype_rounding():
     # the attention bound of the self-check must admit one ulp of the output dtype (both sides round to it) and
     # nothing near a real error: float16 within 2 ulps, bfloat16 within 3 (the H200 check differed by 3.2e-3)
