@@ -44,8 +44,13 @@ def _gpu(mx) -> dict | None:
 
     info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
     backend = "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "metal"
-    return {"name": info.get("device_name"), "memory_bytes": info.get("memory_size"), "mlx_backend": backend,
-            "float32_matmul_tf32": tf32_active()}
+    # Metal names it memory_size; MLX CUDA 0.32's device_info has no such key (the H200 runs printed None): take
+    # the first integer entry that names memory, and keep the whole dict so nothing is guessed away
+    memory = info.get("memory_size")
+    if memory is None:
+        memory = next((v for k, v in sorted(info.items()) if "mem" in k.lower() and isinstance(v, int)), None)
+    return {"name": info.get("device_name"), "memory_bytes": memory, "mlx_backend": backend,
+            "float32_matmul_tf32": tf32_active(), "device_info": {k: info[k] for k in sorted(info)}}
 
 
 def machine(allocator_tuned: bool) -> dict:

@@ -145,3 +145,20 @@ def test_calibration_packing_follows_the_authors():
                                                        packing="packed")
     assert (n_text_p, n_uuid_p) == (3000, 500)
     assert all(len(s) <= 1024 for s in seqs_p) and seqs_p[0][0] != tok.bos_token_id
+
+
+def test_machine_block_names_the_gpu_memory_under_either_key():
+    # Metal's device_info says memory_size; MLX CUDA's does not (the H200 block read "None bytes"): any integer
+    # entry naming memory is taken, and the whole dict is kept
+    from types import SimpleNamespace
+
+    from a2ats_ref import bench
+
+    def fake(info):
+        return SimpleNamespace(gpu="gpu", cpu="cpu", default_device=lambda: SimpleNamespace(type="gpu"),
+                               device_info=lambda: info, cuda=SimpleNamespace(is_available=lambda: True))
+
+    g = bench._gpu(fake({"device_name": "NVIDIA H200", "total_memory": 150_000_000_000, "architecture": "sm_90"}))
+    assert g["name"] == "NVIDIA H200" and g["memory_bytes"] == 150_000_000_000 and g["mlx_backend"] == "cuda"
+    assert g["device_info"]["architecture"] == "sm_90"
+    assert bench._gpu(fake({"device_name": "M3", "memory_size": 17}))["memory_bytes"] == 17
