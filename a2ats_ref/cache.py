@@ -150,8 +150,8 @@ class LayerCodebook:
         return prepare_codebook(self.C)
 
     @cached_property
-    def z_operands(self) -> tuple:
-        """z_space_operands(Cz), built once per codebook: the per-token code assignment reads them."""
+    def z_operands(self) -> mx.array:
+        """z_space_operands(Cz), built once per codebook: the code assignment reads it."""
         return z_space_operands(self.Cz)
 
     @classmethod

@@ -37,36 +37,63 @@ def check_codebook_args(k, C, M, k_name: str, C_name: str, M_name: str):
     return k, C, M, d
 
 
-#: bytes of one block of the (..., rows, K) distance matrix: evaluated, reduced, then dropped
-BLOCK_BYTES = 1 << 23
+#: most bytes of one block of the (..., rows, K) distance matrix: evaluated, reduced, then dropped. Each block
+#: reads the whole codebook once, so a decode batch (w + 1 = 65 tokens: 33 MiB at Llama-3.1-8B shapes) must be
+#: one block; only long prefills are split.
+BLOCK_BYTES = 1 << 26
 
 
-def nearest_rows(x: mx.array, Y: mx.array, bias: mx.array, *, Yt: mx.array | None = None) -> mx.array:
-    """argmin_j (-2 x . Y_j + bias_j) over row blocks; x (..., N, d), Y (..., K, d), bias (..., 1, K) -> uint32.
+def row_blocks(N: int, row_bytes: int) -> list[tuple[int, int]]:
+    """[s, e) ranges covering N rows in the fewest blocks of at most BLOCK_BYTES (and ROW_CHUNK rows),
+    as equal as possible (a short last block would cost a whole codebook read for a few rows)."""
+    cap = max(1, min(ROW_CHUNK, BLOCK_BYTES // max(1, row_bytes)))
+    n_blocks = -(-N // cap)
+    size = -(-N // max(1, n_blocks))
+    return [(s, min(s + size, N)) for s in range(0, N, size)]
 
-    Yt, a contiguous (..., d, K) copy of Y, may be passed in: a transposed view is copied on every
-    call, which dominates the one-token case. Each block of distances is one batched GEMM in MLX and
-    is reduced by NumPy's argmin (same rule: first minimum; MLX's CPU argmin costs several times the
-    GEMM): a batch of tokens then costs about one read of the codebook plus its FLOPs.
+
+def distance_operand(Y: mx.array, bias: mx.array) -> mx.array:
+    """(..., d + 1, K) contiguous float32: Y transposed with the bias as one more row, the right operand of
+    nearest_rows. A caller that assigns many times (the cache) builds it once per codebook."""
+    return mx.contiguous(mx.concatenate([mx.swapaxes(Y, -1, -2), bias], axis=-2))
+
+
+def _head_halves(x: mx.array, Yb: mx.array) -> list[tuple[mx.array, mx.array]]:
+    """(x, Yb) split into two halves along the heads axis (-3) they share, else [(x, Yb)]."""
+    h = Yb.shape[-3] if Yb.ndim >= 3 else 1
+    if h < 2 or x.ndim < 3 or x.shape[-3] != h:
+        return [(x, Yb)]
+    m = h // 2
+    return [(x[..., :m, :, :], Yb[..., :m, :, :]), (x[..., m:, :, :], Yb[..., m:, :, :])]
+
+
+def nearest_rows(x: mx.array, Yb: mx.array) -> mx.array:
+    """argmin_j (-2 x . Y_j + bias_j) over row blocks; x (..., N, d), Yb = distance_operand(Y, bias)
+    (..., d + 1, K) -> uint32 codes (..., N).
+
+    Each block's distances come out of one batched GEMM of [-2x, 1] with Yb, so no elementwise pass over
+    the (rows, K) block is needed before the argmin (x2 is exact; the bias is one more product term).
+    On the CPU the block is reduced by NumPy's argmin (same rule: first minimum; MLX's CPU argmin costs
+    several times the GEMM): a batch of tokens costs about one read of the codebook plus its FLOPs.
     """
-    if Yt is None:
-        Yt = mx.swapaxes(Y, -1, -2)
-    lead = tuple(np.broadcast_shapes(x.shape[:-2], Y.shape[:-2]))
-    N, K = x.shape[-2], Y.shape[-2]
+    lead = tuple(np.broadcast_shapes(x.shape[:-2], Yb.shape[:-2]))
+    N, K = x.shape[-2], Yb.shape[-1]
     if N == 0:  # no keys: empty codes of the broadcast shape (argmin refuses empty arrays)
         return mx.zeros(lead + (0,), dtype=mx.uint32)
-    rows = max(1, min(ROW_CHUNK, BLOCK_BYTES // (4 * K * max(1, math.prod(lead)))))
+    xa = mx.concatenate([-2.0 * x, mx.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)
+    blocks = row_blocks(N, 4 * K * max(1, math.prod(lead)))
     out = []
     if mx.default_device().type != mx.cpu:
         # On a GPU the block stays there: MLX's argmin is cheap there, a host copy of each block is not.
-        for s in range(0, N, rows):
-            out.append(mx.argmin(bias - 2.0 * mm(x[..., s : s + rows, :], Yt), axis=-1).astype(mx.uint32))
+        for s, e in blocks:
+            out.append(mx.argmin(mm(xa[..., s:e, :], Yb), axis=-1).astype(mx.uint32))
             mx.eval(out[-1])
         return mx.concatenate(out, axis=-1) if len(out) > 1 else out[0]
-    for s in range(0, N, rows):
-        dist = bias - 2.0 * mm(x[..., s : s + rows, :], Yt)
-        mx.eval(dist)
-        out.append(np.asarray(dist).argmin(axis=-1).astype(np.uint32))
+    for s, e in blocks:
+        dists = [mm(a, b) for a, b in _head_halves(xa[..., s:e, :], Yb)]
+        mx.async_eval(dists)   # NumPy reduces the first half while MLX multiplies the second
+        codes = [np.asarray(dist).argmin(axis=-1).astype(np.uint32) for dist in dists]
+        out.append(np.concatenate(codes, axis=-2) if len(codes) > 1 else codes[0])
     return mx.array(np.concatenate(out, axis=-1) if len(out) > 1 else out[0])
 
 
@@ -79,5 +106,5 @@ def assign(k, C, H) -> mx.array:
     x = k.reshape(-1, d) if flat else k
     CH = mm(C, H)
     bias = mx.sum(CH * C, axis=-1)[..., None, :]
-    codes = nearest_rows(mm(x, H), C, bias)
+    codes = nearest_rows(mm(x, H), distance_operand(C, bias))
     return codes.reshape(k.shape[:-1]).astype(mx_code_dtype(K))

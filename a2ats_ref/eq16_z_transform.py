@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from . import checks
 from .codes import mx_code_dtype
-from .eq14_assign import check_codebook_args, nearest_rows
+from .eq14_assign import check_codebook_args, distance_operand, nearest_rows
 from .precision import mm
 
 
@@ -25,24 +25,23 @@ def z_transform(k, L) -> mx.array:
     return mm(k, L)
 
 
-def z_space_operands(Cz: mx.array) -> tuple[mx.array, mx.array]:
-    """(CzT, bias) for assign_z_unchecked: Cz transposed to contiguous (..., d, K) and ||Cz_j||^2 (..., 1, K).
+def z_space_operands(Cz: mx.array) -> mx.array:
+    """nearest_rows' operand for Cz: Cz transposed to contiguous (..., d, K) with ||Cz_j||^2 as row d.
 
-    Both depend on the codebook only, so a caller that assigns many times (the cache) builds them once.
+    It depends on the codebook only, so a caller that assigns many times (the cache) builds it once.
     """
-    CzT = mx.contiguous(mx.swapaxes(Cz, -1, -2))
-    bias = mx.sum(Cz * Cz, axis=-1)[..., None, :]
-    mx.eval(CzT, bias)
-    return CzT, bias
+    Yb = distance_operand(Cz, mx.sum(Cz * Cz, axis=-1)[..., None, :])
+    mx.eval(Yb)
+    return Yb
 
 
 def assign_z_unchecked(k: mx.array, Cz: mx.array, L: mx.array, operands=None) -> mx.array:
     """EQ-16 kernel of assign_z, no validation: float32 k (..., N, d), Cz (..., K, d), L (..., d, d) -> codes (..., N).
 
-    operands: z_space_operands(Cz), when the caller keeps them; computed here otherwise.
+    operands: z_space_operands(Cz), when the caller keeps it; computed here otherwise.
     """
-    CzT, bias = operands if operands is not None else (None, mx.sum(Cz * Cz, axis=-1)[..., None, :])
-    return nearest_rows(mm(k, L), Cz, bias, Yt=CzT).astype(mx_code_dtype(Cz.shape[-2]))
+    Yb = operands if operands is not None else z_space_operands(Cz)
+    return nearest_rows(mm(k, L), Yb).astype(mx_code_dtype(Cz.shape[-2]))
 
 
 def assign_z(k, Cz, L) -> mx.array:

@@ -208,7 +208,7 @@ def test_ridge_must_be_finite(ridge):
 def test_codebook_nbytes_counts_what_it_holds():
     cb = quiet_codebook(K=300)
     lc = cb.layers[0]
-    held = lc.Cz.nbytes + lc.L.nbytes + lc.C.nbytes + lc.CT.nbytes + sum(a.nbytes for a in lc.z_operands)
+    held = lc.Cz.nbytes + lc.L.nbytes + lc.C.nbytes + lc.CT.nbytes + lc.z_operands.nbytes
     assert lc.nbytes == held
     assert cb.nbytes == sum(l.nbytes for l in cb.layers)
 

@@ -237,6 +237,30 @@ def test_assign_identity_is_plain_nearest_and_batched_heads():
         _codes_allowed(got[h], dist, "float32", "EQ-14")
 
 
+def test_nearest_rows_blocks_and_head_halves(monkeypatch):
+    """The cache's assignment kernel (EQ-16) over a batch axis, 3 KV heads (halves of 1 and 2 pipelined) and
+    row blocks (BLOCK_BYTES shrunk to force 3 blocks of 7 rows) gives allowed argmins on every row; and a
+    decode batch of w + 1 = 65 tokens at Llama-3.1-8B shapes is one block (each block reads the codebook)."""
+    from a2ats_ref import eq14_assign
+
+    assert eq14_assign.row_blocks(65, 4 * 4096 * 8) == [(0, 65)]
+    blocks = eq14_assign.row_blocks(1100, 4 * 4096 * 8)   # a long prefill: 3 blocks, none short
+    assert blocks[0][0] == 0 and blocks[-1][1] == 1100 and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    sizes = [e - s for s, e in blocks]
+    assert max(sizes) - min(sizes) <= 1 and max(sizes) * 4 * 4096 * 8 <= eq14_assign.BLOCK_BYTES, sizes
+    d, K, N = 8, 50, 20
+    L = np.linalg.cholesky(spd(d, 21, n=3).astype(np.float64)).astype(np.float32)
+    Cz = rng(22).standard_normal((3, K, d)).astype(np.float32)
+    k = rng(23).standard_normal((2, 3, N, d)).astype(np.float32)
+    monkeypatch.setattr(eq14_assign, "BLOCK_BYTES", 4 * K * 6 * 7)   # 7 rows of (2, 3) heads per block
+    assert len(eq14_assign.row_blocks(N, 4 * K * 6)) == 3
+    codes = np.array(assign_z(mx.array(k), mx.array(Cz), mx.array(L)))
+    assert codes.shape == (2, 3, N)
+    for h in range(3):
+        dist = O.assign_z_distances(k[:, h].astype(np.float64), Cz[h], L[h].astype(np.float64))
+        _codes_allowed(codes[:, h], dist, "float32", "EQ-16")
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_cholesky_and_back_transform(dtype):
     H, Ho = inp(spd(16, 17, n=3), dtype)
