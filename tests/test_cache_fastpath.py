@@ -188,3 +188,37 @@ def test_code_counts_follow_coding_trim_and_load(monkeypatch, tmp_path):
     monkeypatch.setattr(C.A2ATSCache, "_count_codes", lambda self, s, e, sign: sign < 0 or real(self, s, e, sign))
     cache.trim(20)
     assert not _counts_ok(cache)
+
+
+def test_query_angle_is_shared_only_where_it_is_the_same():
+    """The query angle's tables are made once per position and shared by layers with the same rope
+    (_query_angle): each cache still gets exactly applied_cos_sin of its own rope and newest position, for
+    ropes that differ in base, in scale or in llama3 freqs, caches at different positions, and after the
+    position moves on. make_a2ats_cache gives layers with equal rope arguments one shared dict."""
+    import mlx.nn as nn
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    from a2ats_ref.rope import applied_cos_sin, fast_rope_args
+    from test_cache_support import tiny_llama
+
+    rng = np.random.default_rng(5)
+    lc = quiet_codebook(1, NKV, D, K=K).layers[0]
+    inv = rope_inv_freqs(D, 10000.0)
+    l3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+    ropes = [nn.RoPE(D, base=10000.0), nn.RoPE(D, base=500000.0), nn.RoPE(D, base=10000.0, scale=0.5),
+             Llama3RoPE(D, base=10000.0, scaling_config=l3), Llama3RoPE(D, base=80.0, scaling_config=l3)]
+    caches = [C.A2ATSCache(lc, inv, False, fast_rope=fast_rope_args(r)) for r in ropes]
+    for T in (30, 31):
+        for i, c in enumerate(caches):
+            n = T + (i == 4)   # the last cache a token ahead of the others
+            c.state = tuple(mx.array(rng.standard_normal((1, NKV, n, D)).astype(np.float32)) for _ in range(2)) + (
+                mx.array(rng.integers(0, K, (1, NKV, n)).astype(np.uint8)),)
+        for c in caches:
+            got = c._query_angle()
+            want = applied_cos_sin(mx.array([c.offset - 1]), D, False, c.fast_rope)
+            for g, w_ in zip(got, want):
+                np.testing.assert_array_equal(np.array(g), np.array(w_[0]))
+    model_caches = C.make_a2ats_cache(tiny_llama(), quiet_codebook(), allow_random_codebook=True)
+    assert len({id(c.fast_rope) for c in model_caches}) == 1
+    f3, f3b, f80 = (fast_rope_args(r) for r in (ropes[3], Llama3RoPE(D, base=10000.0, scaling_config=l3), ropes[4]))
+    assert C._same_rope(f3, f3b) and not C._same_rope(f3, f80) and not C._same_rope(f3, fast_rope_args(ropes[0]))
