@@ -308,7 +308,7 @@ def collect(
     total_tokens: int | None = None,
 ) -> Collected:
     """Run ``model`` over token ``sequences`` (each from an empty cache) and gather EQ-10/EQ-17 inputs."""
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     if chunk < 1:
         raise ValueError(f"chunk: expected a positive number of tokens per prefill step, got {chunk}")
@@ -338,6 +338,11 @@ def collect(
                 if not seq:
                     continue
                 cache = make_prompt_cache(model)
+                for c in cache:
+                    if type(c) is KVCache:
+                        # mlx-lm's KVCache grows by `step` tokens, copying the whole cache each time (at 16K
+                        # tokens ~0.75 GB per 256-token chunk for SmolLM2): sized for the sequence at once.
+                        c.step = max(c.step, -(-len(seq) // 256) * 256)
                 for s in range(0, len(seq), chunk):
                     ids = mx.array(seq[s : s + chunk])[None]
                     body(ids, cache=cache)  # not evaluated: what follows the last layer's keys is never needed

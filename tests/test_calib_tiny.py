@@ -246,3 +246,25 @@ def test_host_swiglu_matches_mlx_lm():
     g = mx.array(np.concatenate([np.linspace(-120, 120, 481), np.random.default_rng(0).normal(size=500)]).astype(np.float32))
     x = mx.array(np.random.default_rng(1).normal(size=g.shape).astype(np.float32))
     np.testing.assert_allclose(np.array(col.host_swiglu(g, x)), np.array(swiglu(g, x)), rtol=1e-5, atol=1e-30)
+
+
+def test_collection_allocates_each_kv_cache_once_per_sequence(monkeypatch):
+    # mlx-lm's KVCache grows by 256 tokens, copying the whole cache each time; collect sizes it for the sequence.
+    from mlx_lm.models.cache import KVCache
+
+    sizes = []
+    real = KVCache.update_and_fetch
+
+    def spy(self, keys, values):
+        out = real(self, keys, values)
+        sizes.append((id(self), self.keys.shape[2]))
+        return out
+
+    monkeypatch.setattr(KVCache, "update_and_fetch", spy)
+    m = tiny_model()
+    col.collect(m, [list(range(1, 200)) * 3], b=16, chunk=64)  # 597 tokens: 3 growths at mlx-lm's step
+    per_cache: dict = {}
+    for key, n in sizes:
+        per_cache.setdefault(key, set()).add(n)
+    assert per_cache and all(len(s) == 1 for s in per_cache.values()), per_cache
+
