@@ -154,7 +154,8 @@ def _kmeanspp(zn: np.ndarray, K: int, uniforms) -> np.ndarray:
         # ||x - c||. On calibration keys (anisotropic) this drops most survivors of the triangle test while
         # reading PROJ_DIMS numbers per point, not d.
         if idx.size <= N // 4:
-            idx = idx[np.sum(np.square(proj[idx] - proj[n]), axis=-1) < d2[idx] * (1.0 + 1e-5) + 1e-30]
+            dp = proj[idx] - proj[n]
+            idx = idx[np.einsum("ij,ij->i", dp, dp) < d2[idx] * (1.0 + 1e-5) + 1e-30]
         else:
             # Weak pruning (early centres are far apart): screen every point with one matrix-vector product,
             # with a margin for its rounding, then measure the survivors directly.
