@@ -63,6 +63,10 @@ class CalibrationLocked(ValueError):
     """Another calibration holds the partial folder of the same output."""
 
 
+#: heads whose k-means++ may run ahead of the Lloyd steps on the CPU (each holds its z: 21 MB at 81,920 x 64)
+SEED_AHEAD = 32
+
+
 def head_seed(seed: int, layer: int, head: int) -> int:
     return int(np.random.SeedSequence([seed, layer, head]).generate_state(1)[0])
 
@@ -263,15 +267,19 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
     # of spreading over every core and contending with it (2-core Xeon, three synthetic 81,920-point heads,
     # K = 4096, 10 steps, seeding pipelined as here: 27.3 -> 25.7 s, system time 6.5 -> 0.8 s, the same
     # centres bit for bit: a GEMM's elements do not depend on OpenBLAS's thread count at these shapes).
+    on_cpu = mx.default_device().type == mx.cpu
     blas_threads = contextlib.ExitStack()
-    if mx.default_device().type == mx.cpu:
+    if on_cpu:
         blas_threads.enter_context(_blas.mlx_blas_threads(max(1, (os.cpu_count() or 2) - n_seeders)))
+    # On the CPU the worker seeds up to SEED_AHEAD heads ahead rather than only the next one: it then never waits
+    # for the Lloyd steps, finishes every head's seeding before the last Lloyd steps, and those run on every core.
+    lookahead = SEED_AHEAD if on_cpu else n_seeders
 
     def seed_ahead(i: int) -> None:
         if i < len(todo) and i not in ahead:
             l, h = todo[i]
-            z = z_transform(mx.array(col.keys[l][h]), L_all[l][h])  # EQ-16
-            ahead[i] = (z, pool.submit(_timed_seed, np.array(z), K, head_seed(seed, l, h)))
+            z = np.array(z_transform(mx.array(col.keys[l][h]), L_all[l][h]))  # EQ-16
+            ahead[i] = (z, pool.submit(_timed_seed, z, K, head_seed(seed, l, h)))
 
     try:
         for l in range(n_layers):
@@ -286,12 +294,16 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
                     i = todo.index((l, h))
                     seed_ahead(i)
                     z, fut = ahead.pop(i)
-                    for j in range(i + 1, i + 1 + n_seeders):
+                    for j in range(i + 1, i + 1 + lookahead):
                         seed_ahead(j)
                     C0, init_s = fut.result()
                     head_stats: dict = {"init_s": init_s, "init_flop": init_flop(z.shape[0], z.shape[1], K)}
-                    C, _, hist = kmeans(z, K, seed=head_seed(seed, l, h), max_iter=max_iter, tol=tol,
-                                        stats=head_stats, assign=False, init=C0)  # EQ-17
+                    # Every head seeded: no worker needs a core, so this head's GEMMs take them all (a GEMM's
+                    # elements do not depend on OpenBLAS's thread count at these shapes: same centres).
+                    idle = on_cpu and all(f.done() for _, f in ahead.values())
+                    with _blas.mlx_blas_threads(os.cpu_count() or 2) if idle else contextlib.nullcontext():
+                        C, _, hist = kmeans(mx.array(z), K, seed=head_seed(seed, l, h), max_iter=max_iter, tol=tol,
+                                            stats=head_stats, assign=False, init=C0)  # EQ-17
                     for k, v in head_stats.items():
                         km_stats[k] = km_stats.get(k, 0) + v
                     hs = phase_stats(head_stats)

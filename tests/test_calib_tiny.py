@@ -268,3 +268,20 @@ def test_collection_allocates_each_kv_cache_once_per_sequence(monkeypatch):
         per_cache.setdefault(key, set()).add(n)
     assert per_cache and all(len(s) == 1 for s in per_cache.values()), per_cache
 
+
+def test_seeding_ahead_gives_the_same_codebook_and_lloyd_takes_all_cores_when_it_is_done(text_file, tiny_codebook,
+                                                                                         monkeypatch):
+    import contextlib
+    import os
+
+    m, cb = tiny_codebook  # SEED_AHEAD heads seeded ahead (all of them here)
+    asked = []
+    real = cal._blas.mlx_blas_threads
+    monkeypatch.setattr(cal._blas, "mlx_blas_threads", lambda n: (asked.append(n), real(n))[1])
+    monkeypatch.setattr(cal, "SEED_AHEAD", 0)  # each head seeded when its fit starts
+    seq = cal.calibrate(m, ByteTokenizer(), texts=[text_file], tokens=300, codebook_size=16, b=64, seed=3,
+                        seq_len=128, packing="packed", chunk=48, quiet=True)
+    for l in range(cb.n_layers):
+        np.testing.assert_array_equal(np.array(seq.cz[l]), np.array(cb.cz[l]))
+    # With nothing seeded ahead the worker is idle during each fit, so the fits run on every core.
+    assert asked.count(os.cpu_count() or 2) >= cb.n_layers * cb.n_kv_heads, asked
