@@ -283,5 +283,7 @@ def test_seeding_ahead_gives_the_same_codebook_and_lloyd_takes_all_cores_when_it
                         seq_len=128, packing="packed", chunk=48, quiet=True)
     for l in range(cb.n_layers):
         np.testing.assert_array_equal(np.array(seq.cz[l]), np.array(cb.cz[l]))
-    # With nothing seeded ahead the worker is idle during each fit, so the fits run on every core.
-    assert asked.count(os.cpu_count() or 2) >= cb.n_layers * cb.n_kv_heads, asked
+    # With nothing seeded ahead the worker is idle during each fit, so the fits run on every core (a CPU-BLAS
+    # choice: on a GPU the Lloyd steps run there and no thread count is asked for, as the H200 run showed).
+    if mx.default_device().type == mx.cpu:
+        assert asked.count(os.cpu_count() or 2) >= cb.n_layers * cb.n_kv_heads, asked

@@ -295,11 +295,19 @@ def test_code_counts_match_bincount():
 
 
 def test_auto_picks_sortfree_off_the_cpu(monkeypatch):
-    """No CPU-tuned threshold decides a GPU path: off the CPU, auto is the sort-free step at every length."""
+    """No CPU-tuned threshold decides a GPU path: off the CPU, auto is the sort-free step at every length, or the
+    CUDA step at every length where its self-check passed (stood in for here, so this runs the same on a CPU, on
+    Metal and on MLX CUDA, where the H200 run at 9ac83db found the real check passing)."""
+    from a2ats_ref import cuda_decode
+
     monkeypatch.setattr(fd.mx, "default_device", lambda: mx.Device(mx.cpu))
     assert fd.auto_method(10) == "mlx" and fd.auto_method(fd.HOST_SELECT_MIN) == "host"
     monkeypatch.setattr(fd.mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(cuda_decode, "usable", lambda **_: False)
     assert fd.auto_method(10) == fd.auto_method(10 ** 6) == "sortfree"
+    monkeypatch.setattr(cuda_decode, "usable", lambda **_: True)
+    assert fd.auto_method(10) == fd.auto_method(10 ** 6) == "cuda"
+    assert fd.auto_method(10 ** 6, G=4, d=80, dv=80, K=4096) == "sortfree"   # shapes the kernels do not take
     assert fd._gather_blocks(10 ** 5, 8, 128) == [(0, 10 ** 5)]   # one gather: blocks are a CPU cache tactic
 
 
