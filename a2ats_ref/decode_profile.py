@@ -8,6 +8,12 @@ The step runs at Llama-3.1-8B shapes on a2ats-bench's inputs (bench_speed.decode
 kernel compiled) before cudaProfilerStart; `--method dense` profiles mlx-lm's attention instead. It also prints
 the host time to build the step's graph (no eval), the part of a step a GPU waits on when kernels are short.
 No timing claims come from a profiled run: ratios come from a2ats-bench.
+
+    python -m a2ats_ref.decode_profile --parts --T 262144 --dtype float16     # MLX CUDA only
+
+times, interleaved in one loop, dense, the CUDA step as decode_step_fast runs it, the same with its per-step
+parameter array reused (what a fresh host array costs), and each of its kernels alone on fixed inputs (what a
+launch costs): the breakdown README's GPU section quotes.
 """
 
 from __future__ import annotations
@@ -78,6 +84,53 @@ def profile_step(method: str, T: int, dtype_name: str) -> dict:
             "graph_build_ms_median": round(float(np.median(builds)), 4), "profiler_bracketed": rt is not None}
 
 
+def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
+    """Median ms of the step and of its parts (see the module docstring); needs MLX's CUDA backend."""
+    from . import cuda_decode as cd
+    from .retrieval import topk_count
+
+    if not cd.on_cuda():
+        raise SystemExit("--parts times the CUDA kernels: run it on MLX's CUDA backend")
+    shape, K = bench_speed.LLAMA31_8B, 4096
+    x = bench_speed.decode_step_inputs(T, bench_speed.DTYPES[dtype_name], **shape)
+    scale = 1.0 / math.sqrt(shape["d"])
+    inv = mx.array(bench_speed._rope_inv_freqs(shape["d"], 500000.0).astype(np.float32))
+    counts = fast_decode.code_counts(x["codes"], K)
+    forced, c0, c1 = fast_decode._regions(T, 64, 8)
+    kk = topk_count(T, 0.03, c1 - c0)
+    S = fast_decode.sortfree_width(kk, shape["n_q"] // shape["n_kv"], K, c1 - c0)
+    ip = cd.step_params(kk=kk, c0=c0, c1=c1, counted=T, S=S, kept=True, forced=forced, sinks=8, w=64, b=2048.0,
+                        query_pos=float(T - 1), scale=scale)
+    tab = cd.lut(x["q"], x["CT"], inv, ip, traditional=False)
+    lv, nsel = cd.levels(tab, counts, x["codes"], ip)
+    idx = cd.compact(lv, nsel, x["codes"], ip, S)
+    mx.eval(inv, counts, ip, tab, lv, nsel, idx)
+    kw = dict(query_pos=T - 1, b=2048, w=64, sinks=8, topk=0.03, inv_freqs=inv, traditional=False, scale=scale,
+              code_counts=(counts, T), method="cuda")
+    step = lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], **kw)
+    real_params = cd.step_params
+
+    def step_reused_params():
+        cd.step_params = lambda **_: ip
+        try:
+            return step()
+        finally:
+            cd.step_params = real_params
+
+    from mlx_lm.models.base import scaled_dot_product_attention
+    fns = {
+        "dense": lambda: scaled_dot_product_attention(x["q"], x["k"], x["v"], x["cache"], scale=scale, mask=None),
+        "cuda step": step, "cuda step, parameter array reused": step_reused_params,
+        "empty eval": lambda: mx.array(1.0) + 1,
+        "lut": lambda: cd.lut(x["q"], x["CT"], inv, ip, traditional=False),
+        "levels": lambda: cd.levels(tab, counts, x["codes"], ip),
+        "count + scatter": lambda: cd.compact(lv, nsel, x["codes"], ip, S),
+        "attend + merge": lambda: cd.attend(x["q"], x["k"], x["v"], idx, nsel, ip, len(forced)),
+    }
+    res = bench_speed.interleaved(fns, reps=reps, warmup=3)
+    return {"T": T, "dtype": dtype_name, "median_ms": {k: round(v["median_ms"], 4) for k, v in res.items()}}
+
+
 def summarize(path: str) -> str:
     """Kernel names and durations (us) from ncu's --csv output (metric gpu__time_duration.sum), and the total."""
     rows = [r for r in csv.reader(open(path)) if len(r) > 10]
@@ -101,12 +154,16 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, default=262144)
     ap.add_argument("--dtype", default="float16", choices=tuple(bench_speed.DTYPES))
     ap.add_argument("--summarize", metavar="CSV", help="print the kernels of an ncu CSV instead of profiling")
+    ap.add_argument("--parts", action="store_true", help="time the CUDA step's parts (MLX CUDA only), no profiler")
     a = ap.parse_args(argv)
     if a.summarize:
         print(summarize(a.summarize))
         return 0
     if a.T < 256 or a.T % 256:
         ap.error("--T: a multiple of 256 (the bench's KVCache hands back its own buffer then)")
+    if a.parts:
+        print(parts(a.T, a.dtype))
+        return 0
     print(profile_step(a.method, a.T, a.dtype), file=sys.stderr)
     return 0
 

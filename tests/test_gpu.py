@@ -237,3 +237,15 @@ def test_decode_profile_brackets_one_step_and_reads_ncu_csv(tmp_path):
     (tmp_path / "empty.csv").write_text("==PROF== nothing\n")
     with pytest.raises(ValueError, match="no ncu CSV rows"):
         decode_profile.summarize(str(tmp_path / "empty.csv"))
+
+
+def test_decode_profile_parts_times_the_cuda_step_or_says_where_it_runs():
+    from a2ats_ref import decode_profile
+
+    if not ON_CUDA:
+        with pytest.raises(SystemExit, match="MLX's CUDA backend"):
+            decode_profile.parts(1024, "float32")
+        return
+    got = decode_profile.parts(1024, "float16", reps=3)["median_ms"]
+    assert set(got) >= {"dense", "cuda step", "cuda step, parameter array reused", "lut", "attend + merge"}
+    assert all(v > 0 for v in got.values()), got
