@@ -67,6 +67,18 @@ def decode_step_inputs(T: int, dtype, *, n_q: int, n_kv: int, d: int, K: int = 4
     return dict(q=q, k=k, v=v, codes=codes, CT=CT, cache=cache)
 
 
+def decode_step_kwargs(x: dict, T: int, *, d: int, K: int = 4096, topk=0.03, w: int = 64, sinks: int = 8,
+                       b: int = 2048) -> dict:
+    """decode_step_fast's keywords for decode_step_inputs' case x at context T, as an A2ATSCache passes them: the
+    query at T - 1, mlx-lm's inverse frequencies made once (no per-call copy) and the per-code counts of all T
+    codes."""
+    inv = mx.array(_rope_inv_freqs(d, 500000.0).astype(np.float32))
+    counts = fast_decode.code_counts(x["codes"], K)
+    mx.eval(inv, counts)
+    return dict(query_pos=T - 1, b=b, w=w, sinks=sinks, topk=topk, inv_freqs=inv, traditional=False,
+                scale=1.0 / math.sqrt(d), code_counts=(counts, T))
+
+
 def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int, d: int, K: int = 4096,
                      topk=0.03, w: int = 64, sinks: int = 8, b: int = 2048, both_methods: bool = True) -> dict:
     """Dense (mlx-lm's scaled_dot_product_attention over a KVCache) vs A2ATS fast_decode at one (T, dtype).
@@ -79,12 +91,8 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
 
     dtype = DTYPES[dtype_name]
     x = decode_step_inputs(T, dtype, n_q=n_q, n_kv=n_kv, d=d, K=K)
-    scale = 1.0 / math.sqrt(d)
-    inv = mx.array(_rope_inv_freqs(d, 500000.0).astype(np.float32))   # as the cache holds it: no per-call copy
-    counts = fast_decode.code_counts(x["codes"], K)
-    mx.eval(inv, counts)
-    kw = dict(query_pos=T - 1, b=b, w=w, sinks=sinks, topk=topk, inv_freqs=inv, traditional=False, scale=scale,
-              code_counts=(counts, T))
+    kw = decode_step_kwargs(x, T, d=d, K=K, topk=topk, w=w, sinks=sinks, b=b)
+    scale = kw["scale"]
 
     def dense():
         return scaled_dot_product_attention(x["q"], x["k"], x["v"], x["cache"], scale=scale, mask=None)
@@ -136,12 +144,8 @@ def dtype_ratio_case(T: int, dtypes, *, reps: int, n_q: int, n_kv: int, d: int, 
                      w: int = 64, sinks: int = 8, b: int = 2048) -> dict:
     """A2ATS decode step in each dtype at one T, interleaved in one loop: time of each dtype / float32's
     (median of the per-repetition ratios). The same random values (cast), codes and codebook for all."""
-    inv = mx.array(_rope_inv_freqs(d, 500000.0).astype(np.float32))
     x32 = decode_step_inputs(T, mx.float32, n_q=n_q, n_kv=n_kv, d=d, K=K)
-    counts = fast_decode.code_counts(x32["codes"], K)   # kept by the cache; auto's sort-free step reads them
-    mx.eval(inv, counts)
-    kw = dict(query_pos=T - 1, b=b, w=w, sinks=sinks, topk=topk, inv_freqs=inv, traditional=False,
-              scale=1.0 / math.sqrt(d), code_counts=(counts, T))
+    kw = decode_step_kwargs(x32, T, d=d, K=K, topk=topk, w=w, sinks=sinks, b=b)
     fns = {}
     for name in dtypes:
         dt = DTYPES[name]

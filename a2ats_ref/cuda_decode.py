@@ -67,7 +67,8 @@ __device__ inline unsigned a2ats_key(float f) {
 """
 
 # q (B, n_q, 1, D) post-RoPE in the cache dtype; CT (n_kv, D, K); inv, tc, ts (D/2,); ip[9..11] = the float32 bits
-# of (b, query position, scale). Undo the applied angle (tables tc/ts when TABLES, else position * inv), apply b, scale: the LUT.
+# of (b, query position, scale). Undo the applied angle (tables tc/ts when TABLES, else position * inv), apply b,
+# scale: the LUT.
 _LUT_SRC = """
     constexpr int H2 = D / 2;
     const int bh = blockIdx.y, h = bh % NKV;
@@ -102,7 +103,8 @@ _LUT_SRC = """
     }
 """
 
-# ip = (kk, c0, c1, counted, S, kept, F, sinks, w, b, query position, scale, forced...). One block of 1,024 threads per (b, kv) row.
+# ip = (kk, c0, c1, counted, S, kept, F, sinks, w, b, query position, scale, forced...). One block of 1,024
+# threads per (b, kv) row.
 _LEVELS_SRC = """
     const int r = blockIdx.y, tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
     const int Tc = codes_shape[2];   // codes (B, n_kv, T): row r = b * n_kv + h
@@ -540,13 +542,11 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
     inv = mx.array(x["inv"])
     counts = fd.code_counts(x["codes"], K) if kept else mx.zeros((1, n_kv, K), dtype=mx.int32)
     scale = 1.0 / np.sqrt(d)
-    out, idx, nsel = decode(x["q"], x["k"], x["v"], x["codes"], x["CT"], inv, counts=counts, kept=kept, kk=kk, c0=c0,
-                            c1=c1, counted=n if kept else 0, S=S, forced=forced, sinks=sinks, w=w, b=float(b),
-                            query_pos=float(n - 1), scale=float(scale), traditional=False)
+    step = dict(kk=kk, c0=c0, c1=c1, counted=n if kept else 0, S=S, kept=kept, forced=forced, sinks=sinks, w=w,
+                b=float(b), query_pos=float(n - 1), scale=float(scale))
+    out, idx, nsel = decode(x["q"], x["k"], x["v"], x["codes"], x["CT"], inv, counts=counts, traditional=False, **step)
     keep = keep_flags(nsel, S)
-    ip = step_params(kk=kk, c0=c0, c1=c1, counted=n, S=S, kept=kept, forced=forced, sinks=sinks, w=w,
-                         b=float(b), query_pos=float(n - 1), scale=float(scale))
-    table = lut(x["q"], x["CT"], inv, ip, traditional=False)
+    table = lut(x["q"], x["CT"], inv, step_params(**step), traditional=False)   # the LUT decode used, on its own
     # float64 LUT: q de-rotated by (n - 1) * inv, rotated by b * inv, scaled, times C
     q64 = np.array(x["q"].astype(mx.float32), dtype=np.float64).reshape(n_kv, G, d)
     # EQ-12 undoes the float32 angle mlx-lm applied: the angles are float32 products, the rest float64

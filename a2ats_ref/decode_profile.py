@@ -22,7 +22,6 @@ import argparse
 import csv
 import ctypes
 import glob
-import math
 import os
 import sys
 import time
@@ -49,21 +48,20 @@ def _cudart():
         return None
 
 
+def _case(T: int, dtype_name: str):
+    """a2ats-bench's decode-step inputs at Llama-3.1-8B shapes, their decode_step_fast keywords, and dense."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    x = bench_speed.decode_step_inputs(T, bench_speed.DTYPES[dtype_name], **bench_speed.LLAMA31_8B)
+    kw = bench_speed.decode_step_kwargs(x, T, d=bench_speed.LLAMA31_8B["d"])
+    dense = lambda: scaled_dot_product_attention(x["q"], x["k"], x["v"], x["cache"], scale=kw["scale"], mask=None)
+    return x, kw, dense
+
+
 def profile_step(method: str, T: int, dtype_name: str) -> dict:
-    shape = bench_speed.LLAMA31_8B
-    x = bench_speed.decode_step_inputs(T, bench_speed.DTYPES[dtype_name], **shape)
-    d, K = shape["d"], 4096
-    scale = 1.0 / math.sqrt(d)
-    inv = mx.array(bench_speed._rope_inv_freqs(d, 500000.0).astype(np.float32))
-    counts = fast_decode.code_counts(x["codes"], K)
-    mx.eval(inv, counts)
-    if method == "dense":
-        from mlx_lm.models.base import scaled_dot_product_attention
-        step = lambda: scaled_dot_product_attention(x["q"], x["k"], x["v"], x["cache"], scale=scale, mask=None)
-    else:
-        step = lambda: fast_decode.decode_step_fast(
-            x["q"], x["k"], x["v"], x["codes"], x["CT"], query_pos=T - 1, b=2048, w=64, sinks=8, topk=0.03,
-            inv_freqs=inv, traditional=False, scale=scale, code_counts=(counts, T), method=method)
+    x, kw, dense = _case(T, dtype_name)
+    step = dense if method == "dense" else (
+        lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method=method, **kw))
     for _ in range(3):
         mx.eval(step())
     builds = []
@@ -92,22 +90,18 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
     if not cd.on_cuda():
         raise SystemExit("--parts times the CUDA kernels: run it on MLX's CUDA backend")
     shape, K = bench_speed.LLAMA31_8B, 4096
-    x = bench_speed.decode_step_inputs(T, bench_speed.DTYPES[dtype_name], **shape)
-    scale = 1.0 / math.sqrt(shape["d"])
-    inv = mx.array(bench_speed._rope_inv_freqs(shape["d"], 500000.0).astype(np.float32))
-    counts = fast_decode.code_counts(x["codes"], K)
-    forced, c0, c1 = fast_decode._regions(T, 64, 8)
-    kk = topk_count(T, 0.03, c1 - c0)
+    x, kw, dense = _case(T, dtype_name)
+    inv, scale, (counts, _) = kw["inv_freqs"], kw["scale"], kw["code_counts"]
+    forced, c0, c1 = fast_decode._regions(T, kw["w"], kw["sinks"])
+    kk = topk_count(T, kw["topk"], c1 - c0)
     S = fast_decode.sortfree_width(kk, shape["n_q"] // shape["n_kv"], K, c1 - c0)
-    ip = cd.step_params(kk=kk, c0=c0, c1=c1, counted=T, S=S, kept=True, forced=forced, sinks=8, w=64, b=2048.0,
-                        query_pos=float(T - 1), scale=scale)
+    ip = cd.step_params(kk=kk, c0=c0, c1=c1, counted=T, S=S, kept=True, forced=forced, sinks=kw["sinks"], w=kw["w"],
+                        b=float(kw["b"]), query_pos=float(T - 1), scale=scale)
     tab = cd.lut(x["q"], x["CT"], inv, ip, traditional=False)
     lv, nsel = cd.levels(tab, counts, x["codes"], ip)
     idx = cd.compact(lv, nsel, x["codes"], ip, S)
-    mx.eval(inv, counts, ip, tab, lv, nsel, idx)
-    kw = dict(query_pos=T - 1, b=2048, w=64, sinks=8, topk=0.03, inv_freqs=inv, traditional=False, scale=scale,
-              code_counts=(counts, T), method="cuda")
-    step = lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], **kw)
+    mx.eval(ip, tab, lv, nsel, idx)
+    step = lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method="cuda", **kw)
     real_params = cd.step_params
 
     def step_reused_params():
@@ -117,9 +111,8 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
         finally:
             cd.step_params = real_params
 
-    from mlx_lm.models.base import scaled_dot_product_attention
     fns = {
-        "dense": lambda: scaled_dot_product_attention(x["q"], x["k"], x["v"], x["cache"], scale=scale, mask=None),
+        "dense": dense,
         "cuda step": step, "cuda step, parameter array reused": step_reused_params,
         "empty eval": lambda: mx.array(1.0) + 1,
         "lut": lambda: cd.lut(x["q"], x["CT"], inv, ip, traditional=False),

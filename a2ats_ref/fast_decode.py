@@ -604,8 +604,9 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
         from . import cuda_decode
         if not (cuda_decode.on_cuda() and cuda_decode.shapes_supported(G, d, values.shape[-1], K)):
             raise ValueError("method='cuda' needs MLX's CUDA backend as the default device and d == dv, a multiple "
-                             f"of 32, and a head shape whose counts fit a block (got d={d}, dv={values.shape[-1]}, G={G}, "
-                             f"K={K}: cuda_decode.shapes_supported); use method='sortfree' elsewhere")
+                             "of 32, and a head shape whose counts fit a block (got "
+                             f"d={d}, dv={values.shape[-1]}, G={G}, K={K}: cuda_decode.shapes_supported); "
+                             "use method='sortfree' elsewhere")
     if method in ("sortfree", "cuda") and kk > 0:
         return _decode_sortfree(queries, keys, values, codes, CT, inv, cuda=method == "cuda", i=i, b=b, kk=kk, c0=c0,
                                 c1=c1, forced=forced, w=int(w), sinks=int(sinks), scale=scale,
