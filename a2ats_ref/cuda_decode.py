@@ -1,22 +1,24 @@
-"""RET-DECODE on MLX's CUDA backend: the whole sort-free decode step in six CUDA kernels.
+"""RET-DECODE on MLX's CUDA backend: the whole sort-free decode step in four CUDA kernels.
 
 The selection is the portable sort-free step's (``fast_decode``: RET-SELECT's sets from per-code levels, ties
 at a head's threshold taken whole, level-1 tokens first and then level-2 ties, each in index order, cut at S
 slots), and so is the attention. What changes is the number of launches: the portable step is ~80 small MLX
-kernels and its time on an H200 was launch overhead (ncu: 81 kernels, most of 2-3 us). Here:
+kernels and its time on an H200 was launch overhead (ncu: 81 kernels, most of 2-3 us). Each launch through
+MLX's custom-kernel path still costs ~0.03-0.05 ms of wall time there, so the step is as few kernels as its
+data dependencies allow:
 
 1. ``lut``: EQ-12 on the query (undo the angle mlx-lm applied, apply b) and the LUT q_b C for every code, in
    float32 FMAs (no TF32: closer to the oracle than the portable step's GEMM under MLX's TF32 default);
-2. ``levels``: the kept code counts corrected by the sinks and the coded window tail (as
+2. ``levels`` (one block per row): the kept code counts corrected by the sinks and the coded window tail (as
    ``fast_decode._candidate_counts``), then each query head's kk-th largest candidate score by a radix select
    over the K code scores weighted by their counts (4 passes of 8 bits; T tokens are never sorted), then each
-   code's level (1 must, 2 tie at a threshold, 0 not) and the level token counts;
-3. ``count`` and 4. ``scatter``: compaction: warp ballots count each 1,024-token block's level-1/level-2 tokens,
-   and the scatter gives each selected token its slot (its block's offset summed from the earlier blocks'
-   counts, plus ballot prefix counts inside the block);
-5. ``attend``: the forced (sink and window) rows and the selected rows read in place from the cache buffer, an
-   online softmax per warp and per block (float32), a partial (max, sum, weighted V) per block;
-6. ``merge``: the blocks' partials into the output, in the values' dtype.
+   code's level (1 must, 2 tie at a threshold, 0 not), the level token counts, and the level-1/level-2 tokens
+   of each 1,024-token block;
+3. ``scatter``: each selected token's slot: its block's offset summed from the earlier blocks' counts, plus
+   warp-ballot prefix counts inside the block;
+4. ``attend``: the forced (sink and window) rows and the selected rows read in place from the cache buffer, an
+   online softmax per warp and per block (float32), a partial (max, sum, weighted V) per block, and the row's
+   last block merges the partials into the output, in the values' dtype.
 
 Every per-step number (kk, the candidate range, the coded count, the slot count, the forced tokens; b, the
 query position and the scale as float32 bits) travels in one small int32 array, so decoding never recompiles a
@@ -51,7 +53,7 @@ _SHARED_LIMIT = 46 * 1024
 #: int32 parameters before the forced token list in the per-step parameter array (step_params)
 _IP_FIXED = 12
 
-_HEADER = f"#define A2ATS_IPF {_IP_FIXED}\n" + """
+_HEADER = f"#define A2ATS_IPF {_IP_FIXED}\n#define A2ATS_BLOCK {BLOCK}\n" + """
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 __device__ inline float a2ats_f32(float x) { return x; }
@@ -73,18 +75,28 @@ _LUT_SRC = """
     constexpr int H2 = D / 2;
     const int bh = blockIdx.y, h = bh % NKV;
     const int K = CT_shape[2];
-    __shared__ float qs[G * D];
+    __shared__ float qs[G * D], rot[4 * H2];
     const float bpos = __int_as_float(ip[9]), qpos = __int_as_float(ip[10]), scale = __int_as_float(ip[11]);
+    // the angles depend on the pair i only: once per block, not per query head. The applied angle is the float32
+    // product qpos * inv[i] (what mlx-lm's rope formed) and its cos/sin are taken in double: cosf/sinf of an
+    // argument past ~1e5 rad (positions past 105,615 at inv = 1) take CUDA's slow reduction path, which made
+    // this kernel 0.23 ms at 256K
+    for (int i = threadIdx.x; i < H2; i += blockDim.x) {
+        if (TABLES) { rot[i] = tc[i]; rot[H2 + i] = ts[i]; }
+        else { double sd, cd; sincos((double)(qpos * inv[i]), &sd, &cd); rot[i] = (float)cd; rot[H2 + i] = (float)sd; }
+        float s2, c2;
+        sincosf(bpos * inv[i], &s2, &c2);
+        rot[2 * H2 + i] = c2;
+        rot[3 * H2 + i] = s2;
+    }
+    __syncthreads();
     for (int e = threadIdx.x; e < G * H2; e += blockDim.x) {
         const int g = e / H2, i = e - g * H2;
         const int ia = TRAD ? 2 * i : i, ib = TRAD ? 2 * i + 1 : i + H2;
         const size_t base = ((size_t)bh * G + g) * D;
         const float x0 = a2ats_f32(q[base + ia]), x1 = a2ats_f32(q[base + ib]);
-        float c1, s1;
-        if (TABLES) { c1 = tc[i]; s1 = ts[i]; } else { const float th = qpos * inv[i]; c1 = cosf(th); s1 = sinf(th); }
+        const float c1 = rot[i], s1 = rot[H2 + i], c2 = rot[2 * H2 + i], s2 = rot[3 * H2 + i];
         const float a1 = x0 * c1 + x1 * s1, b1 = x1 * c1 - x0 * s1;
-        const float tb = bpos * inv[i];
-        const float c2 = cosf(tb), s2 = sinf(tb);
         qs[g * D + ia] = (a1 * c2 - b1 * s2) * scale;
         qs[g * D + ib] = (a1 * s2 + b1 * c2) * scale;
     }
@@ -113,6 +125,7 @@ _LEVELS_SRC = """
     __shared__ int hist[G * 256];
     __shared__ unsigned pre[G];
     __shared__ int rem[G], above[G], nge[G], n12[2];
+    __shared__ unsigned char lvs[KS];
     if (kept) {
         for (int c = tid; c < KS; c += nt) cnt[c] = counts[(size_t)r * KS + c];
         __syncthreads();
@@ -181,6 +194,7 @@ _LEVELS_SRC = """
         }
         const int lv = must ? 1 : (ge ? 2 : 0);
         levels[(size_t)r * KS + c] = (unsigned char)lv;
+        lvs[c] = (unsigned char)lv;
         if (lv == 1) a1 += cnt[c];
         if (lv == 2) a2 += cnt[c];
     }
@@ -190,7 +204,27 @@ _LEVELS_SRC = """
     }
     if (lane == 0) { atomicAdd(&n12[0], a1); atomicAdd(&n12[1], a2); }
     __syncthreads();
-    if (tid == 0) { nsel[r * 2] = n12[0]; nsel[r * 2 + 1] = n12[1]; }
+    if (tid == 0) { nsel[r * 3] = n12[0]; nsel[r * 3 + 1] = n12[1]; nsel[r * 3 + 2] = 0; }
+    // the compaction's per-block counts (what a separate kernel did, one launch fewer): each warp takes blocks of
+    // A2ATS_BLOCK tokens, each lane every 32nd token of the block; the candidates are [c0, c1)
+    const int NB = (Tc + A2ATS_BLOCK - 1) / A2ATS_BLOCK;
+    for (int q = warp; q < NB; q += nt >> 5) {
+        int b1 = 0, b2 = 0;
+#pragma unroll 8
+        for (int t = 0; t < A2ATS_BLOCK / 32; ++t) {
+            const int j = q * A2ATS_BLOCK + t * 32 + lane;
+            if (j < Tc && j >= c0 && j < c1) {
+                const int lv = lvs[(int)codes[(size_t)r * Tc + j]];
+                b1 += lv == 1;
+                b2 += lv == 2;
+            }
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            b1 += __shfl_down_sync(0xffffffffu, b1, off);
+            b2 += __shfl_down_sync(0xffffffffu, b2, off);
+        }
+        if (lane == 0) { bcnt[((size_t)r * NB + q) * 2] = b1; bcnt[((size_t)r * NB + q) * 2 + 1] = b2; }
+    }
 """
 
 # levels (BH, K) uint8 (1 must, 2 may, 0 not); the candidates are [c0, c1) = [ip[1], ip[2]).
@@ -209,16 +243,6 @@ _BALLOT = """
     __syncthreads();
 """
 
-_COUNT_SRC = _BALLOT + """
-    if (threadIdx.x == 0) {
-        int a = 0, b = 0;
-        for (int q = 0; q < 32; ++q) { a += s1[q]; b += s2[q]; }
-        const size_t o = ((size_t)r * gridDim.x + blockIdx.x) * 2;
-        cnt[o] = a;
-        cnt[o + 1] = b;
-    }
-"""
-
 # This block's first level-1 slot: the level-1 tokens of the blocks before it; first level-2 slot: n1 plus
 # the level-2 tokens before it.
 _SCATTER_SRC = _BALLOT + """
@@ -228,8 +252,8 @@ _SCATTER_SRC = _BALLOT + """
     int p1 = 0, p2 = 0;
     for (int q = threadIdx.x; q < (int)blockIdx.x; q += blockDim.x) {
         const size_t o = ((size_t)r * gridDim.x + q) * 2;
-        p1 += cnt[o];
-        p2 += cnt[o + 1];
+        p1 += bcnt[o];
+        p2 += bcnt[o + 1];
     }
     for (int off = 16; off > 0; off >>= 1) {
         p1 += __shfl_down_sync(0xffffffffu, p1, off);
@@ -243,12 +267,12 @@ _SCATTER_SRC = _BALLOT + """
     const int S = ip[4];
     // slots past the selection hold 0 (disjoint from the slots written below): no separate fill kernel, and no
     // reader of idx (the portable attention gathers every slot) ever meets an index outside the cache
-    if (j >= min(nsel[r * 2] + nsel[r * 2 + 1], S) && j < S) idx[(size_t)r * S + j] = 0;
+    if (j >= min(nsel[r * 3] + nsel[r * 3 + 1], S) && j < S) idx[(size_t)r * S + j] = 0;
     if (lv == 1) {
         const int p = base[0] + w1 + __popc(b1 & below);
         if (p < S) idx[(size_t)r * S + p] = j;
     } else if (lv == 2) {
-        const int p = nsel[r * 2] + base[1] + w2 + __popc(b2 & below);
+        const int p = nsel[r * 3] + base[1] + w2 + __popc(b2 & below);
         if (p < S) idx[(size_t)r * S + p] = j;
     }
 """
@@ -261,7 +285,7 @@ _ATTEND_SRC = """
     const int r = blockIdx.y, c = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int S = ip[4], F = ip[6];
-    const int nv = F + min(nsel[r * 2] + nsel[r * 2 + 1], S);
+    const int nv = F + min(nsel[r * 3] + nsel[r * 3 + 1], S);
     const int Tb = keys_shape[2];
     const float scale = __int_as_float(ip[11]);
     const float NEG = __int_as_float(0xff800000);
@@ -322,44 +346,35 @@ _ATTEND_SRC = """
         pacc[o * D + dd] = A;
         if (dd == 0) { pm[o] = M; pl[o] = Ls; }
     }
-"""
-
-# pm/pl (BH, NC, G), pacc (BH, NC, G, D) -> out (BH, G, D) in the values' dtype. One block per (row, head): P =
-# blockDim / D groups of threads each sum a share of the NC partials for every dim, then the groups are added.
-_MERGE_SRC = """
-    const int r = blockIdx.y, g = blockIdx.x, tid = threadIdx.x;
-    const int NC = pm_shape[1];
-    constexpr int P = MT / D;
-    const int dd = tid % D, part = tid / D;
-    const float NEG = __int_as_float(0xff800000);
-    __shared__ float red[MT], redl[MT], mx_s[32];
-    float M = NEG;
-    for (int c = tid; c < NC; c += MT) M = fmaxf(M, pm[((size_t)r * NC + c) * G + g]);
-    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
-    if ((tid & 31) == 0) mx_s[tid >> 5] = M;
+    // The row's last block to finish merges every block's partials into out (what a separate kernel did, one
+    // launch fewer): a ticket per row, zeroed by the levels kernel in nsel's third column, counts the finished
+    // blocks; the fence makes each block's partials visible before its ticket, and the merge reads them from L2.
+    __threadfence();
     __syncthreads();
-    M = NEG;
-    for (int q2 = 0; q2 < MT / 32; ++q2) M = fmaxf(M, mx_s[q2]);
-    float Ls = 0.0f, A = 0.0f;
-    if (part < P) {
+    __shared__ int last;
+    if (threadIdx.x == 0) last = atomicAdd(const_cast<int*>(nsel) + r * 3 + 2, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // every other block has taken its ticket: reset it, so a second attend over the same nsel merges too
+    if (threadIdx.x == 0) const_cast<int*>(nsel)[r * 3 + 2] = 0;
+    const int NC = gridDim.x;
+    for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
+        const int g = e / D, dd = e - g * D;
+        float M = NEG;
+        for (int c2 = 0; c2 < NC; ++c2) M = fmaxf(M, __ldcg(pm + ((size_t)r * NC + c2) * G + g));
+        float Ls = 0.0f, A = 0.0f;
 #pragma unroll 4
-        for (int c = part; c < NC; c += P) {
-            const size_t o = ((size_t)r * NC + c) * G + g;
-            const float mc = pm[o];
+        for (int c2 = 0; c2 < NC; ++c2) {
+            const size_t o = ((size_t)r * NC + c2) * G + g;
+            const float mc = __ldcg(pm + o);
             const float f = mc > NEG ? expf(mc - M) : 0.0f;
-            Ls += f * pl[o];
-            A += f * pacc[o * D + dd];
+            Ls += f * __ldcg(pl + o);
+            A += f * __ldcg(pacc + o * D + dd);
         }
-    }
-    red[tid] = A;
-    redl[tid] = Ls;
-    __syncthreads();
-    if (part == 0) {
-        for (int q2 = 1; q2 < P; ++q2) { A += red[q2 * D + dd]; Ls += redl[q2 * D + dd]; }
         out[((size_t)r * G + g) * D + dd] = static_cast<T>(A / Ls);
     }
 """
-
 
 def on_cuda() -> bool:
     """True when MLX's default device is a CUDA GPU (not Metal, not the CPU)."""
@@ -376,10 +391,11 @@ def _cuda_backend() -> bool:
 @lru_cache(maxsize=None)
 def shapes_supported(G: int, d: int, dv: int, K: int = 4096) -> bool:
     """The kernels hold d/32 dims per lane, one warp per query head of a group in the radix select, the code
-    counts and G 256-bin histograms in one block's shared memory, and per-warp partials in the attention's."""
+    counts, their levels and G 256-bin histograms in one block's shared memory, the rotated queries and angles
+    in the LUT's, and per-warp partials in the attention's."""
     return (d == dv and d % 32 == 0 and 1 <= G <= 32 and G * d <= 4096
-            and 4 * K + 4 * 256 * G + 16 * G + 64 <= _SHARED_LIMIT
-            and 4 * WARPS * G * (d + 2) <= _SHARED_LIMIT and 4 * G * d <= _SHARED_LIMIT)
+            and 5 * K + 4 * 256 * G + 16 * G + 64 <= _SHARED_LIMIT
+            and 4 * WARPS * G * (d + 2) <= _SHARED_LIMIT and 4 * G * d + 8 * d <= _SHARED_LIMIT)
 
 
 @lru_cache(maxsize=None)
@@ -389,15 +405,11 @@ def _kernels():
         "lut": ck(name="a2ats_lut", input_names=["q", "CT", "inv", "tc", "ts", "ip"], output_names=["lut"],
                   source=_LUT_SRC, header=_HEADER),
         "levels": ck(name="a2ats_levels", input_names=["lut", "counts", "codes", "ip"],
-                     output_names=["levels", "nsel"], source=_LEVELS_SRC, header=_HEADER),
-        "count": ck(name="a2ats_count", input_names=["codes", "levels", "ip"], output_names=["cnt"],
-                    source=_COUNT_SRC, header=_HEADER),
-        "scatter": ck(name="a2ats_scatter", input_names=["codes", "levels", "ip", "cnt", "nsel"],
+                     output_names=["levels", "nsel", "bcnt"], source=_LEVELS_SRC, header=_HEADER),
+        "scatter": ck(name="a2ats_scatter", input_names=["codes", "levels", "ip", "bcnt", "nsel"],
                       output_names=["idx"], source=_SCATTER_SRC, header=_HEADER),
         "attend": ck(name="a2ats_attend", input_names=["q", "keys", "values", "idx", "nsel", "ip"],
-                     output_names=["pm", "pl", "pacc"], source=_ATTEND_SRC, header=_HEADER),
-        "merge": ck(name="a2ats_merge", input_names=["pm", "pl", "pacc"], output_names=["out"],
-                    source=_MERGE_SRC, header=_HEADER),
+                     output_names=["pm", "pl", "pacc", "out"], source=_ATTEND_SRC, header=_HEADER),
     }
 
 
@@ -424,63 +436,58 @@ def lut(queries, CT, inv, ip, *, traditional: bool, applied_angle=None) -> mx.ar
 
 
 def levels(lut_, counts, codes, ip):
-    """(levels (BH, K) uint8, nsel (BH, 2) int32 = level-1 and level-2 token counts) (kernel 2); counts (B, n_kv,
-    K) and codes (B, n_kv, T) as the cache holds them (no reshape: every op is host time on every step)."""
+    """(levels (BH, K) uint8, nsel (BH, 3) int32, bcnt (BH, NB, 2) int32) (kernel 2). nsel holds the level-1 and
+    level-2 token counts and, zeroed here, the attention's ticket; bcnt the level-1/level-2 tokens of each block of
+    BLOCK tokens, for the scatter. counts (B, n_kv, K) and codes (B, n_kv, T) as the cache holds them (no reshape:
+    every op is host time on every step)."""
     BH, G, K = lut_.shape
-    lv, nsel = _kernels()["levels"](
-        inputs=[lut_, counts, codes, ip], output_shapes=[(BH, K), (BH, 2)],
-        output_dtypes=[mx.uint8, mx.int32], grid=(BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1),
+    NB = -(-codes.shape[-1] // BLOCK)
+    return _kernels()["levels"](
+        inputs=[lut_, counts, codes, ip], output_shapes=[(BH, K), (BH, 3), (BH, NB, 2)],
+        output_dtypes=[mx.uint8, mx.int32, mx.int32], grid=(BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1),
         template=[("G", G), ("KS", K), ("CodeT", codes.dtype)])
-    return lv, nsel
 
 
-def compact(lv, nsel, codes, ip, S: int):
-    """idx (BH, S) int32: the selected candidates, level 1 first, each level in index order (kernels 3, 4).
+def compact(lv, nsel, bcnt, codes, ip, S: int):
+    """idx (BH, S) int32: the selected candidates, level 1 first, each level in index order (kernel 3).
 
     Slots past the selection hold 0 (written by the scatter kernel itself; keep is False there)."""
-    k = _kernels()
     BH, T_codes = lv.shape[0], codes.shape[-1]
     NB = -(-T_codes // BLOCK)
-    tmpl = [("CodeT", codes.dtype)]
-    (cnt,) = k["count"](inputs=[codes, lv, ip], output_shapes=[(BH, NB, 2)], output_dtypes=[mx.int32],
-                        grid=(NB * BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1), template=tmpl)
-    (idx,) = k["scatter"](inputs=[codes, lv, ip, cnt, nsel], output_shapes=[(BH, S)], output_dtypes=[mx.int32],
-                          grid=(NB * BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1), template=tmpl)
+    (idx,) = _kernels()["scatter"](inputs=[codes, lv, ip, bcnt, nsel], output_shapes=[(BH, S)], output_dtypes=[mx.int32],
+                                   grid=(NB * BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1), template=[("CodeT", codes.dtype)])
     return idx
 
 
 def attend(queries, keys, values, idx, nsel, ip, F: int) -> mx.array:
-    """Exact softmax attention over the forced tokens and the valid slots of idx (kernels 5, 6); (B, n_q, 1, d)."""
-    k = _kernels()
+    """Exact softmax attention over the forced tokens and the valid slots of idx, merged by each row's last block
+    (kernel 4); (B, n_q, 1, d). The blocks count themselves on the ticket in nsel's third column, which levels
+    zeroes and the last block resets."""
     B, n_q, _, d = queries.shape
     n_kv = keys.shape[1]
     BH, G, S = B * n_kv, n_q // n_kv, idx.shape[-1]
     per_block = WARPS * SLOTS_PER_WARP
     NC = max(1, -(-(S + F) // per_block))
-    pm, pl, pacc = k["attend"](
+    *_, out = _kernels()["attend"](
         inputs=[queries, keys, values, idx, nsel, ip],
-        output_shapes=[(BH, NC, G), (BH, NC, G), (BH, NC, G, d)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
+        output_shapes=[(BH, NC, G), (BH, NC, G), (BH, NC, G, d), (B, n_q, 1, d)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, values.dtype],
         grid=(NC * WARPS * 32, BH, 1), threadgroup=(WARPS * 32, 1, 1),
         template=[("T", keys.dtype), ("G", G), ("D", d), ("NW", WARPS), ("CH", SLOTS_PER_WARP),
                   ("U", ROWS_IN_FLIGHT)])
-    MT = max(d, (1024 // d) * d)   # threads per merge block: a whole number of D-wide groups
-    (out,) = k["merge"](inputs=[pm, pl, pacc], output_shapes=[(B, n_q, 1, d)], output_dtypes=[values.dtype],
-                        grid=(G * MT, BH, 1), threadgroup=(MT, 1, 1),
-                        template=[("T", values.dtype), ("G", G), ("D", d), ("MT", MT)])
     return out
 
 
 def decode(queries, keys, values, codes, CT, inv, *, counts, kept: bool, kk: int, c0: int, c1: int, counted: int,
            S: int, forced, sinks: int, w: int, b: float, query_pos: float, scale: float, traditional: bool,
            applied_angle=None):
-    """One sort-free decode step in six kernels: (out (B, n_q, 1, d), idx (BH, S), nsel (BH, 2)); keep_flags(nsel,
+    """One sort-free decode step in four kernels: (out (B, n_q, 1, d), idx (BH, S), nsel (BH, 3)); keep_flags(nsel,
     S) gives the valid slots (only built when asked for: each extra op costs host time on every step)."""
     ip = step_params(kk=kk, c0=c0, c1=c1, counted=counted, S=S, kept=kept, forced=forced, sinks=sinks, w=w, b=b,
                      query_pos=query_pos, scale=scale)
     table = lut(queries, CT, inv, ip, traditional=traditional, applied_angle=applied_angle)
-    lv, nsel = levels(table, counts, codes, ip)
-    idx = compact(lv, nsel, codes, ip, S)
+    lv, nsel, bcnt = levels(table, counts, codes, ip)
+    idx = compact(lv, nsel, bcnt, codes, ip, S)
     return attend(queries, keys, values, idx, nsel, ip, len(forced)), idx, nsel
 
 

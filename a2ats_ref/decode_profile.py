@@ -98,9 +98,9 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
     ip = cd.step_params(kk=kk, c0=c0, c1=c1, counted=T, S=S, kept=True, forced=forced, sinks=kw["sinks"], w=kw["w"],
                         b=float(kw["b"]), query_pos=float(T - 1), scale=scale)
     tab = cd.lut(x["q"], x["CT"], inv, ip, traditional=False)
-    lv, nsel = cd.levels(tab, counts, x["codes"], ip)
-    idx = cd.compact(lv, nsel, x["codes"], ip, S)
-    mx.eval(ip, tab, lv, nsel, idx)
+    lv, nsel, bcnt = cd.levels(tab, counts, x["codes"], ip)
+    idx = cd.compact(lv, nsel, bcnt, x["codes"], ip, S)
+    mx.eval(ip, tab, lv, nsel, bcnt, idx)
     step = lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method="cuda", **kw)
     real_params = cd.step_params
 
@@ -117,8 +117,8 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
         "empty eval": lambda: mx.array(1.0) + 1,
         "lut": lambda: cd.lut(x["q"], x["CT"], inv, ip, traditional=False),
         "levels": lambda: cd.levels(tab, counts, x["codes"], ip),
-        "count + scatter": lambda: cd.compact(lv, nsel, x["codes"], ip, S),
-        "attend + merge": lambda: cd.attend(x["q"], x["k"], x["v"], idx, nsel, ip, len(forced)),
+        "scatter": lambda: cd.compact(lv, nsel, bcnt, x["codes"], ip, S),
+        "attend (with its merge)": lambda: cd.attend(x["q"], x["k"], x["v"], idx, nsel, ip, len(forced)),
     }
     res = bench_speed.interleaved(fns, reps=reps, warmup=3)
     return {"T": T, "dtype": dtype_name, "median_ms": {k: round(v["median_ms"], 4) for k, v in res.items()}}

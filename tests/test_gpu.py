@@ -247,5 +247,5 @@ def test_decode_profile_parts_times_the_cuda_step_or_says_where_it_runs():
             decode_profile.parts(1024, "float32")
         return
     got = decode_profile.parts(1024, "float16", reps=3)["median_ms"]
-    assert set(got) >= {"dense", "cuda step", "cuda step, parameter array reused", "lut", "attend + merge"}
+    assert set(got) >= {"dense", "cuda step", "cuda step, parameter array reused", "lut", "scatter", "attend (with its merge)"}
     assert all(v > 0 for v in got.values()), got
