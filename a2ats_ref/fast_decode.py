@@ -16,7 +16,9 @@ output to float tolerance), engineered for speed on MLX's CPU backend:
 * exact softmax attention (float32) over the gathered post-RoPE keys/values, gathered in the cache's own
   dtype and cast to float32 block by block (no full-cache or full-selection cast: float16/bfloat16 read
   half the bytes and cost no more than float32); on the CPU's host-selection path the softmax itself runs in
-  NumPy between two compiled graphs (``softmax_host``: MLX's CPU exp is a scalar loop);
+  NumPy between two compiled graphs (``softmax_host``: MLX's CPU exp is a scalar loop), and float16 rows
+  are converted by integer ops with 2^112 folded into the other operand (``float16_scaled_rows``: MLX's CPU
+  float16 cast is a software conversion), bit for bit the same result;
 * everything but the host-side parameter work is one ``mx.compile``d graph per static shape, and
   ``b`` and ``query_pos`` enter as data so decoding does not recompile every token;
 * the selected set is returned lazily (``Selection``): the cache keeps it and builds the bool mask
@@ -414,6 +416,47 @@ def _lanes() -> tuple:
     return _LANES[key]
 
 
+#: 2^(127 - 15), float32's exponent bias over float16's: float16_scaled_rows gives float16 values times 1 / F16_SCALE
+F16_SCALE = 2.0 ** 112
+#: |query · scale| below which F16_SCALE times the scaled query stays finite in float32 (max ~2^128), with margin
+F16_QUERY_BOUND = 2.0 ** 15
+_F16_KEEP = np.array(0x8FFFFFFF, dtype=np.uint32).view(np.int32).item()   # sign, exponent and mantissa fields
+
+
+def float16_scaled_rows(bits16: mx.array, stream) -> mx.array:
+    """int16 view of float16 values -> float32 holding each value times 1 / F16_SCALE (2^-112), exactly, on ``stream``.
+
+    MLX's CPU float16 -> float32 ``astype`` is a software conversion (its wheel and its JIT assume no F16C): about
+    1.1 ns per element on one thread, what made float16's decode step 1.1-1.25x float32's although it gathers half
+    the bytes. Three integer ops do it here: sign-extend to int32, shift left by 13 (exponent and mantissa land in
+    float32's fields) and clear bits 28-30 (the sign copies the extension put there). The float32 exponent field
+    then holds the float16 one, biased by 15 instead of 127: the float32 value is the float16's times 2^-112, for
+    every finite float16 (a subnormal lands as the float32 subnormal of the same bits, ±0 as ±0). The caller
+    multiplies the other matmul operand by F16_SCALE (the scaled query, the probabilities), so every product and
+    every sum BLAS forms is the one astype's rows give. A non-finite float16 (outside INPUT-ERRORS' precondition)
+    would read as a finite number.
+    """
+    with mx.stream(stream):
+        return mx.view((bits16.astype(mx.int32) << 13) & mx.array(_F16_KEEP, mx.int32), mx.float32)
+
+
+_F16_EXACT: dict = {}
+
+
+def _f16_scaled_exact(stream) -> bool:
+    """Whether float16_scaled_rows times F16_SCALE equals MLX's astype on every finite float16, on this stream's
+    thread (checked once per stream: a thread that treats subnormal inputs as zero, x86 DAZ, keeps astype)."""
+    key = str(stream)
+    if key not in _F16_EXACT:
+        bits = np.arange(1 << 16, dtype=np.uint16).view(np.int16)
+        bits = bits[np.isfinite(bits.view(np.float16))]
+        b = mx.array(bits)
+        got = np.array(mx.multiply(float16_scaled_rows(b, stream), F16_SCALE, stream=stream))
+        want = np.array(mx.view(b, mx.float16).astype(mx.float32, stream=stream))
+        _F16_EXACT[key] = bool(np.array_equal(got.view(np.uint32), want.view(np.uint32)))
+    return _F16_EXACT[key]
+
+
 def softmax_host(logits: mx.array) -> mx.array:
     """Exact float32 softmax over the last axis, computed by NumPy: MLX's CPU exp is a scalar loop (about 14 ns
     per element here, 3.7 ms for the (8, 4, 8000) logits of an 8B-shape step at 64K) where NumPy's is
@@ -427,7 +470,7 @@ def softmax_host(logits: mx.array) -> mx.array:
 
 
 @lru_cache(maxsize=64)
-def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes=(None,), host_softmax=False):
+def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes=(None,), host_softmax=False, f16_scaled=False):
     """Gather the selected rows of the cache buffer, exact float32 softmax attention (compiled).
 
     Rows are gathered in the cache dtype and cast to float32 block by block (_gather_blocks): the logits
@@ -436,14 +479,24 @@ def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes=(None,), host_softmax=False)
     lanes: the streams (_lanes()) block j runs on is lanes[j % len(lanes)]; each lane keeps its own partial
     sum of p @ V, added at the end. host_softmax (the CPU's host-selection path, which waits for the host
     anyway): the softmax runs in NumPy (softmax_host) between two compiled graphs, logits and p @ V.
+    f16_scaled (the caller checked |q · scale| < F16_QUERY_BOUND): float16 rows come from float16_scaled_rows,
+    F16_SCALE folded into the scaled query and the probabilities, on every lane where _f16_scaled_exact holds.
     """
     G = n_q // n_kv
     BH = B * n_kv
     row_base = mx.arange(BH, dtype=mx.int32)[:, None] * T_buf   # flat row of token 0 of each (b, kv)
     mx.eval(row_base)   # an input of the graph: left lazy, T_buf became a literal in a kernel JIT-built per T_buf
     n_lanes = len(lanes)
+    scaled = {s: f16_scaled and _f16_scaled_exact(s) for s in lanes}
+
+    def fold(buf, s):
+        """The factor the other operand of buf's rows takes: F16_SCALE where float16_scaled_rows converts them."""
+        return F16_SCALE if buf.dtype == mx.float16 and scaled[s] else 1.0
 
     def rows_f32(buf, rows, width, s):
+        if fold(buf, s) != 1.0:
+            bits = mx.take(mx.view(buf, mx.int16), rows.reshape(-1), axis=0, stream=s)
+            return float16_scaled_rows(bits, s).reshape(BH, -1, width)
         return mx.take(buf, rows.reshape(-1), axis=0, stream=s).reshape(BH, -1, width).astype(mx.float32, stream=s)
 
     def masked_logits(q, keys, idx, keep, forced_idx, scale):
@@ -460,7 +513,8 @@ def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes=(None,), host_softmax=False)
             r = rows[:, s0:s1] if j < n_lanes else mx.depends(rows[:, s0:s1], logits[j - n_lanes])
             s = lanes[j % n_lanes]
             # (S, d) @ (d, G) then transpose: faster than (G, d) @ (d, S) on CPU BLAS
-            logits.append(mx.matmul(rows_f32(kflat, r, d, s), qT, stream=s).swapaxes(-1, -2))
+            qf = qT if fold(kflat, s) == 1.0 else mx.multiply(qT, fold(kflat, s), stream=s)
+            logits.append(mx.matmul(rows_f32(kflat, r, d, s), qf, stream=s).swapaxes(-1, -2))
         logits = mx.concatenate(logits, axis=-1) if len(logits) > 1 else logits[0]
         return mx.where(keep[:, None, :], logits, -mx.inf), rows
 
@@ -470,7 +524,8 @@ def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes=(None,), host_softmax=False)
         for j, (s0, s1) in enumerate(_gather_blocks(rows.shape[-1], BH, max(d, dv), n_lanes)):
             lane, s = j % n_lanes, lanes[j % n_lanes]
             r = mx.depends(rows[:, s0:s1], p if sums[lane] is None else sums[lane])
-            part = mx.matmul(p[..., s0:s1], rows_f32(vflat, r, dv, s), stream=s)
+            pf = p[..., s0:s1] if fold(vflat, s) == 1.0 else mx.multiply(p[..., s0:s1], fold(vflat, s), stream=s)
+            part = mx.matmul(pf, rows_f32(vflat, r, dv, s), stream=s)
             sums[lane] = part if sums[lane] is None else mx.add(sums[lane], part, stream=s)
         out = sums[0]
         for extra in sums[1:]:
@@ -619,7 +674,8 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
         lut = _lut_fn(B, n_kv, G, d, K, bool(traditional), scale, tables)(
             queries, CT, inv.astype(f32), mx.array(float(b), f32), pos)
         if method == "host":
-            mx.eval(lut)
+            q_abs = mx.abs(queries).max()   # F16_QUERY_BOUND's check rides on the LUT's sync
+            mx.eval(lut, q_abs)
             idx, keep = _select_host(lut, codes, BH=BH, G=G, K=K, kk=kk, c0=c0, c1=c1, bucket=bucket)
         else:
             idx, keep = _select_mlx_fn(BH, G, K, kk, codes.shape[-1])(lut, codes, mx.array(c0), mx.array(c1))
@@ -628,7 +684,9 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
         idx, keep = mx.zeros((BH, 1), dtype=mx.int32), mx.zeros((BH, 1), dtype=mx.bool_)
     forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
     host_softmax = method == "host" and mx.default_device().type == mx.cpu
-    fn = _attend_fn(B, n_q, n_kv, d, values.shape[-1], T_buf, len(forced), _lanes(), host_softmax)
+    f16_scaled = (host_softmax and kk > 0 and mx.float16 in (keys.dtype, values.dtype)
+                  and float(q_abs.item()) * scale < F16_QUERY_BOUND)
+    fn = _attend_fn(B, n_q, n_kv, d, values.shape[-1], T_buf, len(forced), _lanes(), host_softmax, f16_scaled)
     out = fn(queries, keys, values, idx, keep, forced_idx, mx.array(scale, dtype=mx.float32))
     if not (return_mask or return_selection):
         return out

@@ -180,6 +180,53 @@ def test_selection_in_one_block_is_split_over_the_lanes(on_cpu):
     assert fd._gather_blocks(S, 3, 64) == [(0, S)]
 
 
+def test_float16_scaled_rows_are_exact_on_every_finite_float16(on_cpu):
+    """float16_scaled_rows times F16_SCALE is MLX's astype, bit for bit, on all 63,490 finite float16 patterns
+    (subnormals and -0 included), on both CPU lanes; _f16_scaled_exact says so."""
+    bits = np.arange(1 << 16, dtype=np.uint16).view(np.int16)
+    bits = bits[np.isfinite(bits.view(np.float16))]
+    want = bits.view(np.float16).astype(np.float32).view(np.uint32)
+    for lane in fd._lanes():
+        got = np.array(mx.multiply(fd.float16_scaled_rows(mx.array(bits), lane), fd.F16_SCALE, stream=lane))
+        assert np.array_equal(got.view(np.uint32), want)
+        fd._F16_EXACT.pop(str(lane), None)
+        assert fd._f16_scaled_exact(lane)
+
+
+def test_float16_host_step_is_bit_identical_to_casting_the_rows(monkeypatch, on_cpu):
+    """The host step's float16 rows through float16_scaled_rows (F16_SCALE folded into the query and the
+    probabilities) give the output of casting them with astype, bit for bit, over many blocks on both lanes, with
+    subnormal and signed-zero keys/values; a (float32) query with |q · scale| >= F16_QUERY_BOUND casts instead (its
+    folded query would overflow; a float16 query never gets there)."""
+    q, k, v, codes, C = _case(21, B=2, n_q=6, n_kv=2, dtype="float16")
+    k[..., 3], v[..., 5] = 2.0 ** -20, -(2.0 ** -24)     # float16 subnormals
+    k[..., 4], v[..., 6] = -0.0, 0.0
+    inv = oracle.rope_inv_freqs(16, 10000.0)
+    kw = dict(query_pos=299, b=2048, w=16, sinks=4, topk=0.1, inv_freqs=inv, traditional=False, method="host")
+    monkeypatch.setattr(fd, "GATHER_BLOCK_BYTES", 4 * 4 * 16 * 8)   # 8 rows per block: 14 blocks, both lanes
+    calls = []
+    scaled_rows = fd.float16_scaled_rows
+    monkeypatch.setattr(fd, "float16_scaled_rows", lambda b, s: calls.append(s) or scaled_rows(b, s))
+
+    def step(q, exact, q_dtype):
+        fd._attend_fn.cache_clear()
+        for lane in fd._lanes():
+            monkeypatch.setitem(fd._F16_EXACT, str(lane), exact)
+        m = lambda a: mx.array(a.astype(np.float32)).astype(mx.float16)
+        out = decode_step_fast(mx.array(q.astype(np.float32)).astype(q_dtype), m(k), m(v), mx.array(codes), prepare_codebook(mx.array(C.astype(np.float32))), **kw)
+        return np.array(out.astype(mx.float32))
+
+    try:
+        for qq, q_dtype, folded in ((q, mx.float16, True), (q * 2.0 ** 18, mx.float32, False)):   # scale = 1/4
+            cast = step(qq, False, q_dtype)
+            calls.clear()
+            got = step(qq, True, q_dtype)
+            assert bool(calls) == folded and len(set(map(str, calls))) == (2 if folded else 0)
+            assert np.isfinite(cast).all() and np.array_equal(got.view(np.uint32), cast.view(np.uint32))
+    finally:
+        fd._attend_fn.cache_clear()
+
+
 # --------------------------------------------------------------------------- the sort-free step
 
 def _allowed(q, codes, C, *, query_pos, topk, traditional, n_kv=2, w=16, sinks=4, b=2048, dtype="float32"):
