@@ -97,14 +97,20 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
     def dense():
         return scaled_dot_product_attention(x["q"], x["k"], x["v"], x["cache"], scale=scale, mask=None)
 
-    # On a GPU the "host" method reads the codes on the CPU, which moves their (unified) memory pages to the host;
-    # the next GPU method to read the same array then pays to move them back (on the H200 at 256K this roughly
-    # doubled the CUDA step's time). The host method gets its own copy, so each row times its method alone.
-    own_codes = x["codes"] if mx.default_device().type == mx.cpu else mx.array(np.array(x["codes"]))
+    # On a GPU the "host" method reads arrays on the CPU, which moves their (unified) memory pages to the host; the
+    # next GPU method to read the same array then pays to move them back (on the H200 at 256K this roughly doubled
+    # the CUDA step's time when the codes were shared). The
+    # host method gets its own copy of every array it is handed, so each row times its method alone.
+    host_x, host_kw = x, kw
+    if mx.default_device().type != mx.cpu:
+        copy = lambda a: mx.array(np.array(a))
+        host_x = {k: copy(x[k]) for k in ("q", "k", "v", "codes", "CT")}
+        host_kw = dict(kw, inv_freqs=copy(kw["inv_freqs"]), code_counts=(copy(kw["code_counts"][0]), T))
+        mx.eval(host_x, host_kw["inv_freqs"], host_kw["code_counts"][0])
 
     def a2ats(method):
-        codes = own_codes if method == "host" else x["codes"]
-        return lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], codes, x["CT"], method=method, **kw)
+        y, k = (host_x, host_kw) if method == "host" else (x, kw)
+        return lambda: fast_decode.decode_step_fast(y["q"], y["k"], y["v"], y["codes"], y["CT"], method=method, **k)
 
     shape = dict(G=n_q // n_kv, d=d, K=K, n_kv=n_kv, dtype=dtype)
     auto = fast_decode.auto_method(T - w - sinks, dv=d, **shape)
