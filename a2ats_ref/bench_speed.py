@@ -146,10 +146,24 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
 SELECT_METHODS = ("mlx", "sortfree", "host")
 
 
+def paired_ratio(times_ms, base_ms) -> dict:
+    """Per-repetition ratios times[r] / base[r] of two interleaved rows: their median and quartiles.
+
+    Each ratio pairs two runs of the same repetition (seconds apart), so a slow phase of the machine moves
+    both; the quartiles show how far single repetitions spread, so one noisy phase cannot pass for the ratio."""
+    if len(times_ms) != len(base_ms) or not times_ms:
+        raise ValueError(f"paired_ratio: expected two equally long, non-empty time lists, got {len(times_ms)} and "
+                         f"{len(base_ms)}")
+    r = np.asarray(times_ms, dtype=np.float64) / np.asarray(base_ms, dtype=np.float64)
+    q25, med, q75 = np.percentile(r, [25, 50, 75])
+    return {"median": float(med), "q25": float(q25), "q75": float(q75), "n": int(r.size)}
+
+
 def dtype_ratio_case(T: int, dtypes, *, reps: int, n_q: int, n_kv: int, d: int, K: int = 4096, topk=0.03,
                      w: int = 64, sinks: int = 8, b: int = 2048) -> dict:
-    """A2ATS decode step in each dtype at one T, interleaved in one loop: time of each dtype / float32's
-    (median of the per-repetition ratios). The same random values (cast), codes and codebook for all."""
+    """A2ATS decode step in each dtype at one T, interleaved in one loop (rotating order, every dtype once per
+    repetition): time of each dtype / float32's as the median of the per-repetition ratios, with their quartiles
+    (paired_ratio). The same random values (cast), codes and codebook for all."""
     x32 = decode_step_inputs(T, mx.float32, n_q=n_q, n_kv=n_kv, d=d, K=K)
     kw = decode_step_kwargs(x32, T, d=d, K=K, topk=topk, w=w, sinks=sinks, b=b)
     fns = {}
@@ -160,9 +174,10 @@ def dtype_ratio_case(T: int, dtypes, *, reps: int, n_q: int, n_kv: int, d: int, 
         fns[name] = (lambda q=q, k=k, v=v: fast_decode.decode_step_fast(q, k, v, x32["codes"], x32["CT"], **kw))
     res = interleaved(fns, reps=reps)
     base = res["float32"]["times_ms"]
-    return {"T": T, "ms": {n: r["median_ms"] for n, r in res.items()},
-            "time_over_float32": {n: float(np.median([a / f for a, f in zip(r["times_ms"], base)]))
-                                  for n, r in res.items() if n != "float32"}}
+    ratios = {n: paired_ratio(r["times_ms"], base) for n, r in res.items() if n != "float32"}
+    return {"T": T, "reps": reps, "ms": {n: r["median_ms"] for n, r in res.items()},
+            "time_over_float32": {n: r["median"] for n, r in ratios.items()},
+            "time_over_float32_quartiles": {n: [r["q25"], r["q75"]] for n, r in ratios.items()}}
 
 
 def decode_step_table(Ts, dtypes, *, reps: int, shape=None, K: int = 4096, progress: bool = True) -> list:

@@ -27,6 +27,9 @@ def test_speed_quick_json_schema(tmp_path):
     assert [r["T"] for r in res["dtype_ratio"]] == [4096, 16384]   # float16 time / float32 time, interleaved
     assert all(set(r["time_over_float32"]) == {"float16"} and r["time_over_float32"]["float16"] > 0
                for r in res["dtype_ratio"])
+    for r in res["dtype_ratio"]:   # 3x the decode rows' reps, the median inside its quartiles
+        lo, hi = r["time_over_float32_quartiles"]["float16"]
+        assert r["reps"] == 9 and lo <= r["time_over_float32"]["float16"] <= hi
     lib = res["library_decode"]   # the public-API rows: bench process, fresh process default, fresh untuned
     assert [r["row"].split(" (")[0] for r in lib] == ["bench process", "library default", "library, A2ATS_TUNE_ALLOCATOR=0"]
     assert all("error" not in r and r["dense_ms_per_token"] > 0 and r["a2ats_ms_per_token"] > 0 for r in lib), lib
@@ -47,6 +50,15 @@ def test_speed_quick_json_schema(tmp_path):
     real = e2e["rows"][0]
     assert real["prefill_tokens_per_s"] > 0 and len(real["greedy_tokens"]["dense"]) == 4
     assert real["prefill_probe"]["mlx_lm_dense_tokens_per_s"] > 0 and real["prefill_probe"]["a2ats_tokens_per_s"] > 0
+
+
+def test_paired_ratio_is_the_median_of_per_repetition_ratios():
+    from a2ats_ref.bench_speed import paired_ratio
+
+    # per-repetition ratios 3, 1, 2: median 2 (the ratio of the medians would be 4 / 4 = 1)
+    assert paired_ratio([3.0, 4.0, 10.0], [1.0, 4.0, 5.0]) == {"median": 2.0, "q25": 1.5, "q75": 2.5, "n": 3}
+    with pytest.raises(ValueError, match="equally long"):
+        paired_ratio([1.0, 2.0], [1.0])
 
 
 def test_speed_T_chooses_the_context_lengths(tmp_path):
