@@ -480,21 +480,21 @@ def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes=(None,), host_softmax=False,
     sum of p @ V, added at the end. host_softmax (the CPU's host-selection path, which waits for the host
     anyway): the softmax runs in NumPy (softmax_host) between two compiled graphs, logits and p @ V.
     f16_scaled (the caller checked |q · scale| < F16_QUERY_BOUND): float16 rows come from float16_scaled_rows,
-    F16_SCALE folded into the scaled query and the probabilities, on every lane where _f16_scaled_exact holds.
+    F16_SCALE folded into the scaled query and the probabilities, where _f16_scaled_exact holds on every lane.
     """
     G = n_q // n_kv
     BH = B * n_kv
     row_base = mx.arange(BH, dtype=mx.int32)[:, None] * T_buf   # flat row of token 0 of each (b, kv)
     mx.eval(row_base)   # an input of the graph: left lazy, T_buf became a literal in a kernel JIT-built per T_buf
     n_lanes = len(lanes)
-    scaled = {s: f16_scaled and _f16_scaled_exact(s) for s in lanes}
+    scaled = f16_scaled and all(_f16_scaled_exact(s) for s in lanes)
 
-    def fold(buf, s):
-        """The factor the other operand of buf's rows takes: F16_SCALE where float16_scaled_rows converts them."""
-        return F16_SCALE if buf.dtype == mx.float16 and scaled[s] else 1.0
+    def fold(buf):
+        """Whether buf's rows come from float16_scaled_rows (the other matmul operand then takes F16_SCALE)."""
+        return scaled and buf.dtype == mx.float16
 
     def rows_f32(buf, rows, width, s):
-        if fold(buf, s) != 1.0:
+        if fold(buf):
             bits = mx.take(mx.view(buf, mx.int16), rows.reshape(-1), axis=0, stream=s)
             return float16_scaled_rows(bits, s).reshape(BH, -1, width)
         return mx.take(buf, rows.reshape(-1), axis=0, stream=s).reshape(BH, -1, width).astype(mx.float32, stream=s)
@@ -506,6 +506,7 @@ def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes=(None,), host_softmax=False,
         rows = idx + row_base
         kflat = keys.reshape(-1, d)
         qT = (q.reshape(BH, G, d).astype(mx.float32) * scale).swapaxes(-1, -2)
+        qT = qT * F16_SCALE if fold(kflat) else qT
         # mx.depends orders the blocks of a lane: block j is gathered only after block j - n_lanes has been
         # used, so one block per lane is alive at a time (MLX would otherwise be free to gather every block first).
         logits = []
@@ -513,19 +514,18 @@ def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes=(None,), host_softmax=False,
             r = rows[:, s0:s1] if j < n_lanes else mx.depends(rows[:, s0:s1], logits[j - n_lanes])
             s = lanes[j % n_lanes]
             # (S, d) @ (d, G) then transpose: faster than (G, d) @ (d, S) on CPU BLAS
-            qf = qT if fold(kflat, s) == 1.0 else mx.multiply(qT, fold(kflat, s), stream=s)
-            logits.append(mx.matmul(rows_f32(kflat, r, d, s), qf, stream=s).swapaxes(-1, -2))
+            logits.append(mx.matmul(rows_f32(kflat, r, d, s), qT, stream=s).swapaxes(-1, -2))
         logits = mx.concatenate(logits, axis=-1) if len(logits) > 1 else logits[0]
         return mx.where(keep[:, None, :], logits, -mx.inf), rows
 
     def weighted_values(p, values, rows):
         vflat = values.reshape(-1, dv)
+        pf = p * F16_SCALE if fold(vflat) else p
         sums = [None] * n_lanes
         for j, (s0, s1) in enumerate(_gather_blocks(rows.shape[-1], BH, max(d, dv), n_lanes)):
             lane, s = j % n_lanes, lanes[j % n_lanes]
             r = mx.depends(rows[:, s0:s1], p if sums[lane] is None else sums[lane])
-            pf = p[..., s0:s1] if fold(vflat, s) == 1.0 else mx.multiply(p[..., s0:s1], fold(vflat, s), stream=s)
-            part = mx.matmul(pf, rows_f32(vflat, r, dv, s), stream=s)
+            part = mx.matmul(pf[..., s0:s1], rows_f32(vflat, r, dv, s), stream=s)
             sums[lane] = part if sums[lane] is None else mx.add(sums[lane], part, stream=s)
         out = sums[0]
         for extra in sums[1:]:
