@@ -20,11 +20,10 @@ data dependencies allow:
    online softmax per warp and per block (float32), a partial (max, sum, weighted V) per block, and the row's
    last block merges the partials into the output, in the values' dtype.
 
-Every per-step number (kk, the candidate range, the coded count, the slot count, the forced tokens; b, the
-query position and the scale as float32 bits) travels in one small int32 array, so decoding never recompiles a
-kernel and makes one host array per step (on the H200 each fresh host array a step hands its kernels cost
-~0.05 ms of wall time: two arrays against none, 0.74 vs 0.58 ms at 256K float16); NVRTC compiles each kernel once
-per dtype and head shape.
+Every per-step number (kk, the candidate range, the coded count, the slot count, the token count; b, the query
+position and the scale as float32 bits) travels as the shape of an empty array (step_params), which MLX passes to
+the kernel by value: decoding never recompiles a kernel and hands the GPU no host-written memory. NVRTC compiles
+each kernel once per dtype and head shape.
 
 ``fast_decode`` runs this for method="cuda", and "auto" takes it on CUDA when ``usable()``: a once-per-process
 self-check that the kernels compile and reproduce the portable parts (the LUT against float64, the slots
@@ -50,10 +49,8 @@ WARPS, SLOTS_PER_WARP, ROWS_IN_FLIGHT = 8, 16, 4
 LUT_THREADS = 64
 #: static shared memory a kernel may use (CUDA's limit without opt-in is 48 KB)
 _SHARED_LIMIT = 46 * 1024
-#: int32 parameters before the forced token list in the per-step parameter array (step_params)
-_IP_FIXED = 12
 
-_HEADER = f"#define A2ATS_IPF {_IP_FIXED}\n#define A2ATS_BLOCK {BLOCK}\n" + """
+_HEADER = f"#define A2ATS_BLOCK {BLOCK}\n" + """
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 __device__ inline float a2ats_f32(float x) { return x; }
@@ -61,6 +58,18 @@ __device__ inline float a2ats_f32(__half x) { return __half2float(x); }
 __device__ inline float a2ats_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 // N consecutive elements as one load (a lane's share of a row: 8 or 16 bytes)
 template <typename T, int N> struct alignas(sizeof(T) * N) a2ats_vec { T v[N]; };
+// The per-step numbers, read from the shapes of two empty int32 arrays (step_params; MLX passes an input's shape
+// by value). The forced tokens are the sinks [0, c0) and the window [c1, n): slot s < F holds forced(s).
+struct a2ats_step {
+    int kk, c0, c1, counted, S, kept, n, sinks, w;
+    float b, qpos, scale;
+    template <typename SA, typename SB>
+    __device__ a2ats_step(const SA& a, const SB& z)
+        : kk(a[1]), c0(a[2]), c1(a[3]), counted(a[4]), S(a[5]), kept(a[6]), n(a[7]), sinks(z[1]), w(z[2]),
+          b(__int_as_float(z[3])), qpos(__int_as_float(z[4])), scale(__int_as_float(z[5])) {}
+    __device__ int F() const { return c0 + n - c1; }
+    __device__ int forced(int s) const { return s < c0 ? s : c1 + (s - c0); }
+};
 // order-preserving key of a float (larger float, larger key); -0 and +0 share one key, as they compare equal
 __device__ inline unsigned a2ats_key(float f) {
     const unsigned u = __float_as_uint(f == 0.0f ? 0.0f : f);
@@ -68,15 +77,16 @@ __device__ inline unsigned a2ats_key(float f) {
 }
 """
 
-# q (B, n_q, 1, D) post-RoPE in the cache dtype; CT (n_kv, D, K); inv, tc, ts (D/2,); ip[9..11] = the float32 bits
-# of (b, query position, scale). Undo the applied angle (tables tc/ts when TABLES, else position * inv), apply b,
+# q (B, n_q, 1, D) post-RoPE in the cache dtype; CT (n_kv, D, K); inv, tc, ts (D/2,); (b, query position, scale) from
+# the step. Undo the applied angle (tables tc/ts when TABLES, else position * inv), apply b,
 # scale: the LUT.
 _LUT_SRC = """
     constexpr int H2 = D / 2;
     const int bh = blockIdx.y, h = bh % NKV;
     const int K = CT_shape[2];
     __shared__ float qs[G * D], rot[4 * H2];
-    const float bpos = __int_as_float(ip[9]), qpos = __int_as_float(ip[10]), scale = __int_as_float(ip[11]);
+    const a2ats_step P(ipa_shape, ipb_shape);
+    const float bpos = P.b, qpos = P.qpos, scale = P.scale;
     // the angles depend on the pair i only: once per block, not per query head. The applied angle is the float32
     // product qpos * inv[i] (what mlx-lm's rope formed) and its cos/sin are taken in double: cosf/sinf of an
     // argument past ~1e5 rad (positions past 105,615 at inv = 1) take CUDA's slow reduction path, which made
@@ -115,12 +125,13 @@ _LUT_SRC = """
     }
 """
 
-# ip = (kk, c0, c1, counted, S, kept, F, sinks, w, b, query position, scale, forced...). One block of 1,024
+# The step's numbers (a2ats_step): kk, [c0, c1), counted, kept, sinks, w. One block of 1,024
 # threads per (b, kv) row.
 _LEVELS_SRC = """
     const int r = blockIdx.y, tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
     const int Tc = codes_shape[2];   // codes (B, n_kv, T): row r = b * n_kv + h
-    const int kk = ip[0], c0 = ip[1], c1 = ip[2], counted = ip[3], kept = ip[5], sinks = ip[7], w = ip[8];
+    const a2ats_step P(ipa_shape, ipb_shape);
+    const int kk = P.kk, c0 = P.c0, c1 = P.c1, counted = P.counted, kept = P.kept, sinks = P.sinks, w = P.w;
     __shared__ int cnt[KS];
     __shared__ int hist[G * 256];
     __shared__ unsigned pre[G];
@@ -227,14 +238,15 @@ _LEVELS_SRC = """
     }
 """
 
-# levels (BH, K) uint8 (1 must, 2 may, 0 not); the candidates are [c0, c1) = [ip[1], ip[2]).
+# levels (BH, K) uint8 (1 must, 2 may, 0 not); the candidates are [c0, c1).
 _BALLOT = """
     const int r = blockIdx.y;
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     const int Tc = codes_shape[2];   // codes (B, n_kv, T): row r = b * n_kv + h
     const int K = levels_shape[1];
+    const a2ats_step P(ipa_shape, ipb_shape);
     int lv = 0;
-    if (j < Tc && j >= ip[1] && j < ip[2]) lv = (int)levels[(size_t)r * K + (int)codes[(size_t)r * Tc + j]];
+    if (j < Tc && j >= P.c0 && j < P.c1) lv = (int)levels[(size_t)r * K + (int)codes[(size_t)r * Tc + j]];
     const unsigned b1 = __ballot_sync(0xffffffffu, lv == 1);
     const unsigned b2 = __ballot_sync(0xffffffffu, lv == 2);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -264,7 +276,7 @@ _SCATTER_SRC = _BALLOT + """
     int w1 = 0, w2 = 0;
     for (int q = 0; q < warp; ++q) { w1 += s1[q]; w2 += s2[q]; }
     const unsigned below = (1u << lane) - 1u;
-    const int S = ip[4];
+    const int S = P.S;
     // slots past the selection hold 0 (disjoint from the slots written below): no separate fill kernel, and no
     // reader of idx (the portable attention gathers every slot) ever meets an index outside the cache
     if (j >= min(nsel[r * 3] + nsel[r * 3 + 1], S) && j < S) idx[(size_t)r * S + j] = 0;
@@ -277,17 +289,18 @@ _SCATTER_SRC = _BALLOT + """
     }
 """
 
-# q (B, n_q, 1, D) post-RoPE; keys/values (B, n_kv, T_buf, D); slot s < F is the forced token ip[A2ATS_IPF + s], slot
+# q (B, n_q, 1, D) post-RoPE; keys/values (B, n_kv, T_buf, D); slot s < F is the forced token P.forced(s), slot
 # s >= F is idx[s - F]; F + min(n1 + n2, S) slots are valid. Per (row, block, head): pm max logit, pl sum,
 # pacc (D,) sum of p * V.
 _ATTEND_SRC = """
     constexpr int DPL = D / 32;
     const int r = blockIdx.y, c = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int S = ip[4], F = ip[6];
+    const a2ats_step P(ipa_shape, ipb_shape);
+    const int S = P.S, F = P.F();
     const int nv = F + min(nsel[r * 3] + nsel[r * 3 + 1], S);
     const int Tb = keys_shape[2];
-    const float scale = __int_as_float(ip[11]);
+    const float scale = P.scale;
     const float NEG = __int_as_float(0xff800000);
     float qv[G][DPL], acc[G][DPL], m[G], l[G];
     for (int g = 0; g < G; ++g) {
@@ -304,7 +317,7 @@ _ATTEND_SRC = """
         float kf[U][DPL], vf[U][DPL];
         for (int u = 0; u < U; ++u) {
             const int ss = s + u;
-            const int tok = ss >= s1 ? 0 : (ss < F ? ip[A2ATS_IPF + ss] : idx[(size_t)r * S + ss - F]);
+            const int tok = ss >= s1 ? 0 : (ss < F ? P.forced(ss) : idx[(size_t)r * S + ss - F]);
             const size_t row = ((size_t)r * Tb + (size_t)tok) * D + lane * DPL;
             const a2ats_vec<T, DPL> kx = *reinterpret_cast<const a2ats_vec<T, DPL>*>(keys + row);
             const a2ats_vec<T, DPL> vx = *reinterpret_cast<const a2ats_vec<T, DPL>*>(values + row);
@@ -402,22 +415,31 @@ def shapes_supported(G: int, d: int, dv: int, K: int = 4096) -> bool:
 def _kernels():
     ck = mx.fast.cuda_kernel
     return {
-        "lut": ck(name="a2ats_lut", input_names=["q", "CT", "inv", "tc", "ts", "ip"], output_names=["lut"],
+        "lut": ck(name="a2ats_lut", input_names=["q", "CT", "inv", "tc", "ts", "ipa", "ipb"], output_names=["lut"],
                   source=_LUT_SRC, header=_HEADER),
-        "levels": ck(name="a2ats_levels", input_names=["lut", "counts", "codes", "ip"],
+        "levels": ck(name="a2ats_levels", input_names=["lut", "counts", "codes", "ipa", "ipb"],
                      output_names=["levels", "nsel", "bcnt"], source=_LEVELS_SRC, header=_HEADER),
-        "scatter": ck(name="a2ats_scatter", input_names=["codes", "levels", "ip", "bcnt", "nsel"],
+        "scatter": ck(name="a2ats_scatter", input_names=["codes", "levels", "ipa", "ipb", "bcnt", "nsel"],
                       output_names=["idx"], source=_SCATTER_SRC, header=_HEADER),
-        "attend": ck(name="a2ats_attend", input_names=["q", "keys", "values", "idx", "nsel", "ip"],
+        "attend": ck(name="a2ats_attend", input_names=["q", "keys", "values", "idx", "nsel", "ipa", "ipb"],
                      output_names=["pm", "pl", "pacc", "out"], source=_ATTEND_SRC, header=_HEADER),
     }
 
 
-def step_params(*, kk: int, c0: int, c1: int, counted: int, S: int, kept: bool, forced, sinks: int, w: int,
-                b: float, query_pos: float, scale: float) -> mx.array:
-    """The per-step numbers as the kernels read them: one int32 array, (b, query_pos, scale) as float32 bits."""
-    bits = list(struct.unpack("3i", struct.pack("3f", b, query_pos, scale)))   # one list, one mx.array: cheapest
-    return mx.array([kk, c0, c1, counted, S, int(kept), len(forced), sinks, w, *bits, *forced], dtype=mx.int32)
+def step_params(*, kk: int, c0: int, c1: int, counted: int, S: int, kept: bool, n: int, sinks: int, w: int,
+                b: float, query_pos: float, scale: float):
+    """The per-step numbers as the kernels read them (a2ats_step): the shapes of two empty int32 arrays, the leading
+    0 keeping them empty, and (b, query position, scale) as float32 bits.
+
+    MLX passes an input's shape to a kernel by value. An array with data would be written on the host and read by
+    the GPU, and on the H200 that first read cost ~0.15 ms per step (0.59 against 0.44 ms at 256K float16, with
+    the same array reused; two device arrays used in turn cost nothing: it is the host-written page, not the
+    pointer). Empty arrays have no page."""
+    bits = struct.unpack("3i", struct.pack("3f", b, query_pos, scale))
+    if min(bits) < 0:
+        raise ValueError(f"b, query_pos and scale must be >= 0, got {b}, {query_pos}, {scale}")
+    empty = mx.array([], dtype=mx.int32)
+    return (empty.reshape(0, kk, c0, c1, counted, S, int(kept), n), empty.reshape(0, sinks, w, *bits))
 
 
 def lut(queries, CT, inv, ip, *, traditional: bool, applied_angle=None) -> mx.array:
@@ -428,7 +450,7 @@ def lut(queries, CT, inv, ip, *, traditional: bool, applied_angle=None) -> mx.ar
     tables = applied_angle is not None
     tc, ts = applied_angle if tables else (inv, inv)
     (out,) = _kernels()["lut"](
-        inputs=[queries, CT, inv, tc, ts, ip], output_shapes=[(BH, G, K)], output_dtypes=[mx.float32],
+        inputs=[queries, CT, inv, tc, ts, *ip], output_shapes=[(BH, G, K)], output_dtypes=[mx.float32],
         grid=(-(-K // LUT_THREADS) * LUT_THREADS, BH, 1), threadgroup=(LUT_THREADS, 1, 1),
         template=[("T", queries.dtype), ("G", G), ("D", d), ("NKV", n_kv), ("TRAD", int(traditional)),
                   ("TABLES", int(tables))])
@@ -443,7 +465,7 @@ def levels(lut_, counts, codes, ip):
     BH, G, K = lut_.shape
     NB = -(-codes.shape[-1] // BLOCK)
     return _kernels()["levels"](
-        inputs=[lut_, counts, codes, ip], output_shapes=[(BH, K), (BH, 3), (BH, NB, 2)],
+        inputs=[lut_, counts, codes, *ip], output_shapes=[(BH, K), (BH, 3), (BH, NB, 2)],
         output_dtypes=[mx.uint8, mx.int32, mx.int32], grid=(BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1),
         template=[("G", G), ("KS", K), ("CodeT", codes.dtype)])
 
@@ -454,7 +476,7 @@ def compact(lv, nsel, bcnt, codes, ip, S: int):
     Slots past the selection hold 0 (written by the scatter kernel itself; keep is False there)."""
     BH, T_codes = lv.shape[0], codes.shape[-1]
     NB = -(-T_codes // BLOCK)
-    (idx,) = _kernels()["scatter"](inputs=[codes, lv, ip, bcnt, nsel], output_shapes=[(BH, S)], output_dtypes=[mx.int32],
+    (idx,) = _kernels()["scatter"](inputs=[codes, lv, *ip, bcnt, nsel], output_shapes=[(BH, S)], output_dtypes=[mx.int32],
                                    grid=(NB * BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1), template=[("CodeT", codes.dtype)])
     return idx
 
@@ -469,7 +491,7 @@ def attend(queries, keys, values, idx, nsel, ip, F: int) -> mx.array:
     per_block = WARPS * SLOTS_PER_WARP
     NC = max(1, -(-(S + F) // per_block))
     *_, out = _kernels()["attend"](
-        inputs=[queries, keys, values, idx, nsel, ip],
+        inputs=[queries, keys, values, idx, nsel, *ip],
         output_shapes=[(BH, NC, G), (BH, NC, G), (BH, NC, G, d), (B, n_q, 1, d)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, values.dtype],
         grid=(NC * WARPS * 32, BH, 1), threadgroup=(WARPS * 32, 1, 1),
@@ -479,16 +501,16 @@ def attend(queries, keys, values, idx, nsel, ip, F: int) -> mx.array:
 
 
 def decode(queries, keys, values, codes, CT, inv, *, counts, kept: bool, kk: int, c0: int, c1: int, counted: int,
-           S: int, forced, sinks: int, w: int, b: float, query_pos: float, scale: float, traditional: bool,
+           S: int, n: int, sinks: int, w: int, b: float, query_pos: float, scale: float, traditional: bool,
            applied_angle=None):
     """One sort-free decode step in four kernels: (out (B, n_q, 1, d), idx (BH, S), nsel (BH, 3)); keep_flags(nsel,
     S) gives the valid slots (only built when asked for: each extra op costs host time on every step)."""
-    ip = step_params(kk=kk, c0=c0, c1=c1, counted=counted, S=S, kept=kept, forced=forced, sinks=sinks, w=w, b=b,
+    ip = step_params(kk=kk, c0=c0, c1=c1, counted=counted, S=S, kept=kept, n=n, sinks=sinks, w=w, b=b,
                      query_pos=query_pos, scale=scale)
     table = lut(queries, CT, inv, ip, traditional=traditional, applied_angle=applied_angle)
     lv, nsel, bcnt = levels(table, counts, codes, ip)
     idx = compact(lv, nsel, bcnt, codes, ip, S)
-    return attend(queries, keys, values, idx, nsel, ip, len(forced)), idx, nsel
+    return attend(queries, keys, values, idx, nsel, ip, c0 + n - c1), idx, nsel
 
 
 def keep_flags(nsel, S: int) -> mx.array:
@@ -549,7 +571,7 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
     inv = mx.array(x["inv"])
     counts = fd.code_counts(x["codes"], K) if kept else mx.zeros((1, n_kv, K), dtype=mx.int32)
     scale = 1.0 / np.sqrt(d)
-    step = dict(kk=kk, c0=c0, c1=c1, counted=n if kept else 0, S=S, kept=kept, forced=forced, sinks=sinks, w=w,
+    step = dict(kk=kk, c0=c0, c1=c1, counted=n if kept else 0, S=S, kept=kept, n=n, sinks=sinks, w=w,
                 b=float(b), query_pos=float(n - 1), scale=float(scale))
     out, idx, nsel = decode(x["q"], x["k"], x["v"], x["codes"], x["CT"], inv, counts=counts, traditional=False, **step)
     keep = keep_flags(nsel, S)

@@ -95,7 +95,7 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
     forced, c0, c1 = fast_decode._regions(T, kw["w"], kw["sinks"])
     kk = topk_count(T, kw["topk"], c1 - c0)
     S = fast_decode.sortfree_width(kk, shape["n_q"] // shape["n_kv"], K, c1 - c0)
-    ip = cd.step_params(kk=kk, c0=c0, c1=c1, counted=T, S=S, kept=True, forced=forced, sinks=kw["sinks"], w=kw["w"],
+    ip = cd.step_params(kk=kk, c0=c0, c1=c1, counted=T, S=S, kept=True, n=T, sinks=kw["sinks"], w=kw["w"],
                         b=float(kw["b"]), query_pos=float(T - 1), scale=scale)
     tab = cd.lut(x["q"], x["CT"], inv, ip, traditional=False)
     lv, nsel, bcnt = cd.levels(tab, counts, x["codes"], ip)

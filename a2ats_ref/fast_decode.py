@@ -717,7 +717,7 @@ def _decode_sortfree(queries, keys, values, codes, CT, inv, *, cuda=False, i, b,
         from . import cuda_decode
         out, idx, nsel = cuda_decode.decode(
             queries, keys, values, codes, CT, inv.astype(f32), counts=counts.astype(i32), kept=kept, kk=kk, c0=c0,
-            c1=c1, counted=counted, S=S, forced=forced, sinks=sinks, w=w, b=float(b), query_pos=float(i),
+            c1=c1, counted=counted, S=S, n=n, sinks=sinks, w=w, b=float(b), query_pos=float(i),
             scale=scale, traditional=traditional, applied_angle=applied_angle)
         if not wants_selection:   # the slot flags and the forced list are host ops on every step: only when asked
             return out

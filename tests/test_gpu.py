@@ -197,14 +197,24 @@ def test_cuda_step_parts_match_the_portable_step(dtype, T, n_q, n_kv, d, K, kept
 
 
 def test_step_params_layout_is_what_the_kernels_read():
-    # the kernels read ip[0..8] as ints, ip[9..11] as float32 bits (b, query position, scale) and the forced tokens
-    # from A2ATS_IPF = _IP_FIXED on: a host/kernel mismatch here would decode silently wrong
-    ip = np.array(cuda_decode.step_params(kk=5, c0=8, c1=100, counted=164, S=256, kept=True, forced=[0, 1, 150],
-                                          sinks=8, w=64, b=2048.0, query_pos=163.0, scale=0.125))
-    assert ip.dtype == np.int32 and ip[:9].tolist() == [5, 8, 100, 164, 256, 1, 3, 8, 64]
-    assert ip[9:12].view(np.float32).tolist() == [2048.0, 163.0, 0.125]
-    assert ip[cuda_decode._IP_FIXED:].tolist() == [0, 1, 150]
-    assert f"#define A2ATS_IPF {cuda_decode._IP_FIXED}" in cuda_decode._HEADER
+    # the kernels read the step from two empty arrays' shapes (a2ats_step): a[1..7] = kk, c0, c1, counted, S, kept, n
+    # and z[1..5] = sinks, w, then (b, query position, scale) as float32 bits; a host/kernel mismatch here would
+    # decode silently wrong, and an array with data would hand the GPU a host-written page on every step
+    a, z = cuda_decode.step_params(kk=5, c0=8, c1=100, counted=164, S=256, kept=True, n=164, sinks=8, w=64,
+                                   b=2048.0, query_pos=163.0, scale=0.125)
+    assert a.size == z.size == 0 and a.dtype == z.dtype == mx.int32
+    assert a.shape == (0, 5, 8, 100, 164, 256, 1, 164) and z.shape[:3] == (0, 8, 64)
+    assert np.array(z.shape[3:], dtype=np.int32).view(np.float32).tolist() == [2048.0, 163.0, 0.125]
+    assert max(a.ndim, z.ndim) <= 8   # MLX CUDA passes at most MAX_NDIM = 8 dims of a shape
+    for field, at in (("kk", "a[1]"), ("c0", "a[2]"), ("c1", "a[3]"), ("counted", "a[4]"), ("S", "a[5]"),
+                      ("kept", "a[6]"), ("n", "a[7]"), ("sinks", "z[1]"), ("w", "z[2]"), ("b", "z[3]"),
+                      ("qpos", "z[4]"), ("scale", "z[5]")):
+        assert f"{field}(" in cuda_decode._HEADER and at in cuda_decode._HEADER.split(f"{field}(")[1][:30], field
+    for src in (cuda_decode._LUT_SRC, cuda_decode._LEVELS_SRC, cuda_decode._SCATTER_SRC, cuda_decode._ATTEND_SRC):
+        assert "a2ats_step P(ipa_shape, ipb_shape)" in src   # MLX passes a shape only when the source names it
+    with pytest.raises(ValueError, match="must be >= 0"):
+        cuda_decode.step_params(kk=5, c0=8, c1=100, counted=164, S=256, kept=True, n=164, sinks=8, w=64, b=-1.0,
+                                query_pos=163.0, scale=0.125)
 
 
 def test_self_check_bound_covers_each_dtype_rounding():
