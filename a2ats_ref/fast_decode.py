@@ -674,8 +674,9 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
         lut = _lut_fn(B, n_kv, G, d, K, bool(traditional), scale, tables)(
             queries, CT, inv.astype(f32), mx.array(float(b), f32), pos)
         if method == "host":
-            q_abs = mx.abs(queries).max()   # F16_QUERY_BOUND's check rides on the LUT's sync
-            mx.eval(lut, q_abs)
+            # a float16 cache's F16_QUERY_BOUND check rides on the LUT's sync (float32 caches skip it)
+            q_abs = [mx.abs(queries).max()] if mx.float16 in (keys.dtype, values.dtype) else []
+            mx.eval(lut, *q_abs)
             idx, keep = _select_host(lut, codes, BH=BH, G=G, K=K, kk=kk, c0=c0, c1=c1, bucket=bucket)
         else:
             idx, keep = _select_mlx_fn(BH, G, K, kk, codes.shape[-1])(lut, codes, mx.array(c0), mx.array(c1))
@@ -685,7 +686,7 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
     host_softmax = method == "host" and mx.default_device().type == mx.cpu
     f16_scaled = (host_softmax and kk > 0 and mx.float16 in (keys.dtype, values.dtype)
-                  and float(q_abs.item()) * scale < F16_QUERY_BOUND)
+                  and float(q_abs[0].item()) * scale < F16_QUERY_BOUND)
     fn = _attend_fn(B, n_q, n_kv, d, values.shape[-1], T_buf, len(forced), _lanes(), host_softmax, f16_scaled)
     out = fn(queries, keys, values, idx, keep, forced_idx, mx.array(scale, dtype=mx.float32))
     if not (return_mask or return_selection):
