@@ -14,6 +14,13 @@ No timing claims come from a profiled run: ratios come from a2ats-bench.
 times, interleaved in one loop, dense, the CUDA step as decode_step_fast runs it, the same with its per-step
 parameter array reused (what a fresh host array costs), and each of its kernels alone on fixed inputs (what a
 launch costs): the breakdown README's GPU section quotes.
+
+    python -m a2ats_ref.decode_profile --pipelined --T 262144 --dtype float16
+
+times dense and the step (--method, default auto) as a generation loop runs them: mlx-lm's generate_step builds
+the next token's graph while the device computes the current one (mx.async_eval), so a step's host work hides
+behind the previous step's device work. Each loop keeps one step in flight; the loops alternate in blocks. This
+is throughput, not latency: a2ats-bench's decode rows time each step alone, host graph building included.
 """
 
 from __future__ import annotations
@@ -124,6 +131,37 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
     return {"T": T, "dtype": dtype_name, "median_ms": {k: round(v["median_ms"], 4) for k, v in res.items()}}
 
 
+def _pipelined_ms(fn, steps: int) -> float:
+    """ms per step of `steps` calls of fn with one step in flight: build step k + 1, hand it to the device
+    (async_eval), then wait for step k (as mlx-lm's generate_step yields the previous token)."""
+    out = fn()
+    mx.async_eval(out)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = fn()
+        mx.async_eval(nxt)
+        mx.eval(out)
+        out = nxt
+    mx.eval(out)
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def pipelined(T: int, dtype_name: str, method: str = "auto", *, steps: int = 50, blocks: int = 7) -> dict:
+    """Dense and the A2ATS step in generation-loop order (_pipelined_ms), alternating blocks of `steps` steps:
+    median ms per step and the median of the per-block ratios (dense / A2ATS)."""
+    x, kw, dense = _case(T, dtype_name)
+    step = lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method=method, **kw)
+    for f in (dense, step):   # compile every kernel and graph first
+        _pipelined_ms(f, 3)
+    d, a = [], []
+    for b in range(blocks):
+        for name in (("dense", "a2ats") if b % 2 == 0 else ("a2ats", "dense")):
+            (d if name == "dense" else a).append(_pipelined_ms(dense if name == "dense" else step, steps))
+    return {"T": T, "dtype": dtype_name, "method": method, "device": str(mx.default_device()), "steps": steps,
+            "blocks": blocks, "dense_ms": round(float(np.median(d)), 4), "a2ats_ms": round(float(np.median(a)), 4),
+            "speedup": round(float(np.median([p / q for p, q in zip(d, a)])), 3)}
+
+
 def summarize(path: str) -> str:
     """Kernel names and durations (us) from ncu's --csv output (metric gpu__time_duration.sum), and the total."""
     rows = [r for r in csv.reader(open(path)) if len(r) > 10]
@@ -148,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float16", choices=tuple(bench_speed.DTYPES))
     ap.add_argument("--summarize", metavar="CSV", help="print the kernels of an ncu CSV instead of profiling")
     ap.add_argument("--parts", action="store_true", help="time the CUDA step's parts (MLX CUDA only), no profiler")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="dense vs the step as a generation loop runs them (one step in flight), no profiler")
     a = ap.parse_args(argv)
     if a.summarize:
         print(summarize(a.summarize))
@@ -156,6 +196,11 @@ def main(argv=None) -> int:
         ap.error("--T: a multiple of 256 (the bench's KVCache hands back its own buffer then)")
     if a.parts:
         print(parts(a.T, a.dtype))
+        return 0
+    if a.pipelined:
+        if a.method == "dense":
+            ap.error("--pipelined times dense beside --method: give an A2ATS method (default auto)")
+        print(pipelined(a.T, a.dtype, a.method))
         return 0
     print(profile_step(a.method, a.T, a.dtype), file=sys.stderr)
     return 0

@@ -259,3 +259,19 @@ def test_decode_profile_parts_times_the_cuda_step_or_says_where_it_runs():
     got = decode_profile.parts(1024, "float16", reps=3)["median_ms"]
     assert set(got) >= {"dense", "cuda step", "cuda step, parameter array reused", "lut", "scatter", "attend (with its merge)"}
     assert all(v > 0 for v in got.values()), got
+
+
+def test_decode_profile_pipelined_keeps_one_step_in_flight_and_times_both():
+    from a2ats_ref import decode_profile
+
+    calls = []
+
+    def fn():
+        calls.append(mx.array(float(len(calls))) + 1)
+        return calls[-1]
+    assert decode_profile._pipelined_ms(fn, 4) > 0
+    assert len(calls) == 5 and [float(c.item()) for c in calls] == [1.0, 2.0, 3.0, 4.0, 5.0]   # one build per step
+    got = decode_profile.pipelined(1024, "float32", "sortfree", steps=2, blocks=2)
+    assert got["dense_ms"] > 0 and got["a2ats_ms"] > 0 and got["speedup"] > 0 and got["method"] == "sortfree"
+    with pytest.raises(SystemExit):
+        decode_profile.main(["--pipelined", "--method", "dense", "--T", "1024"])
