@@ -217,17 +217,36 @@ _LEVELS_SRC = """
     __syncthreads();
     if (tid == 0) { nsel[r * 3] = n12[0]; nsel[r * 3 + 1] = n12[1]; nsel[r * 3 + 2] = 0; }
     // the compaction's per-block counts (what a separate kernel did, one launch fewer): each warp takes blocks of
-    // A2ATS_BLOCK tokens, each lane every 32nd token of the block; the candidates are [c0, c1)
+    // A2ATS_BLOCK tokens; the candidates are [c0, c1). A block wholly inside them, at a 16-byte aligned address, is
+    // read in 16-byte vectors, each warp load 512 consecutive bytes (which tokens a lane counts does not matter,
+    // only the block's sum); the blocks at the edges token by token.
+    constexpr int PER_VEC = 16 / sizeof(CodeT);
     const int NB = (Tc + A2ATS_BLOCK - 1) / A2ATS_BLOCK;
     for (int q = warp; q < NB; q += nt >> 5) {
         int b1 = 0, b2 = 0;
-#pragma unroll 8
-        for (int t = 0; t < A2ATS_BLOCK / 32; ++t) {
-            const int j = q * A2ATS_BLOCK + t * 32 + lane;
-            if (j < Tc && j >= c0 && j < c1) {
-                const int lv = lvs[(int)codes[(size_t)r * Tc + j]];
-                b1 += lv == 1;
-                b2 += lv == 2;
+        const int j0 = q * A2ATS_BLOCK;
+        const CodeT* row = codes + (size_t)r * Tc + j0;
+        if (j0 >= c0 && j0 + A2ATS_BLOCK <= min(c1, Tc) && ((size_t)row & 15) == 0) {
+            const uint4* vrow = reinterpret_cast<const uint4*>(row);
+#pragma unroll
+            for (int t = 0; t < A2ATS_BLOCK / PER_VEC / 32; ++t) {
+                const uint4 v = vrow[t * 32 + lane];
+                const CodeT* c = reinterpret_cast<const CodeT*>(&v);
+#pragma unroll
+                for (int e = 0; e < PER_VEC; ++e) {
+                    const int lv = lvs[(int)c[e]];
+                    b1 += lv == 1;
+                    b2 += lv == 2;
+                }
+            }
+        } else {
+            for (int t = 0; t < A2ATS_BLOCK / 32; ++t) {
+                const int j = j0 + t * 32 + lane;
+                if (j < Tc && j >= c0 && j < c1) {
+                    const int lv = lvs[(int)row[t * 32 + lane]];
+                    b1 += lv == 1;
+                    b2 += lv == 2;
+                }
             }
         }
         for (int off = 16; off > 0; off >>= 1) {
@@ -371,21 +390,54 @@ _ATTEND_SRC = """
     __threadfence();
     // every other block has taken its ticket: reset it, so a second attend over the same nsel merges too
     if (threadIdx.x == 0) const_cast<int*>(nsel)[r * 3 + 2] = 0;
+    // One block merges NC partials (hundreds at long contexts), so the work is spread over the whole block: warps
+    // find each head's max and sum over the blocks, then tiles of the blocks' weights go to shared memory and every
+    // thread sums its (head, dim) outputs over a tile with independent loads in flight.
     const int NC = gridDim.x;
-    for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
-        const int g = e / D, dd = e - g * D;
-        float M = NEG;
-        for (int c2 = 0; c2 < NC; ++c2) M = fmaxf(M, __ldcg(pm + ((size_t)r * NC + c2) * G + g));
-        float Ls = 0.0f, A = 0.0f;
-#pragma unroll 4
-        for (int c2 = 0; c2 < NC; ++c2) {
-            const size_t o = ((size_t)r * NC + c2) * G + g;
-            const float mc = __ldcg(pm + o);
-            const float f = mc > NEG ? expf(mc - M) : 0.0f;
-            Ls += f * __ldcg(pl + o);
-            A += f * __ldcg(pacc + o * D + dd);
+    const size_t base = (size_t)r * NC;
+    constexpr int TILE = 1024 / G;
+    __shared__ float Mg[G], Lg[G], wt[TILE * G];
+    for (int g = warp; g < G; g += NW) {
+        float M = NEG, L = 0.0f;
+        for (int c2 = lane; c2 < NC; c2 += 32) M = fmaxf(M, __ldcg(pm + (base + c2) * G + g));
+        for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+        for (int c2 = lane; c2 < NC; c2 += 32) {
+            const float mc = __ldcg(pm + (base + c2) * G + g);
+            if (mc > NEG) L += expf(mc - M) * __ldcg(pl + (base + c2) * G + g);
         }
-        out[((size_t)r * G + g) * D + dd] = static_cast<T>(A / Ls);
+        for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+        if (lane == 0) { Mg[g] = M; Lg[g] = L; }
+    }
+    constexpr int PER_T = (G * D + NW * 32 - 1) / (NW * 32);   // outputs per thread
+    float A[PER_T];
+    for (int i = 0; i < PER_T; ++i) A[i] = 0.0f;
+    for (int t0 = 0; t0 < NC; t0 += TILE) {
+        const int nt_ = min(TILE, NC - t0);
+        __syncthreads();   // Mg/Lg written (first tile), the previous tile's weights read
+        for (int e = threadIdx.x; e < nt_ * G; e += blockDim.x) {
+            const int g = e % G;
+            const float mc = __ldcg(pm + (base + t0) * G + e);
+            wt[e] = mc > NEG ? expf(mc - Mg[g]) : 0.0f;
+        }
+        __syncthreads();
+        for (int i = 0; i < PER_T; ++i) {
+            const int e = threadIdx.x + i * NW * 32;
+            if (e < G * D) {
+                const int g = e / D, dd = e - g * D;
+                const float* src = pacc + ((base + t0) * G + g) * D + dd;
+                float a = 0.0f;
+#pragma unroll 8
+                for (int c2 = 0; c2 < nt_; ++c2) a += wt[c2 * G + g] * __ldcg(src + (size_t)c2 * G * D);
+                A[i] += a;
+            }
+        }
+    }
+    for (int i = 0; i < PER_T; ++i) {
+        const int e = threadIdx.x + i * NW * 32;
+        if (e < G * D) {
+            const int g = e / D, dd = e - g * D;
+            out[((size_t)r * G + g) * D + dd] = static_cast<T>(A[i] / Lg[g]);
+        }
     }
 """
 
@@ -405,10 +457,10 @@ def _cuda_backend() -> bool:
 def shapes_supported(G: int, d: int, dv: int, K: int = 4096) -> bool:
     """The kernels hold d/32 dims per lane, one warp per query head of a group in the radix select, the code
     counts, their levels and G 256-bin histograms in one block's shared memory, the rotated queries and angles
-    in the LUT's, and per-warp partials in the attention's."""
+    in the LUT's, and per-warp partials plus a 1,024-weight merge tile in the attention's."""
     return (d == dv and d % 32 == 0 and 1 <= G <= 32 and G * d <= 4096
             and 5 * K + 4 * 256 * G + 16 * G + 64 <= _SHARED_LIMIT
-            and 4 * WARPS * G * (d + 2) <= _SHARED_LIMIT and 4 * G * d + 8 * d <= _SHARED_LIMIT)
+            and 4 * WARPS * G * (d + 2) + 4 * 1024 + 8 * G + 16 <= _SHARED_LIMIT and 4 * G * d + 8 * d <= _SHARED_LIMIT)
 
 
 @lru_cache(maxsize=None)
