@@ -38,6 +38,7 @@ from functools import cached_property
 from typing import Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from . import checks
@@ -45,7 +46,7 @@ from .codes import mx_code_dtype
 from .eq12_far_keys import far_keys_unchecked
 from .eq16_z_transform import assign_z_unchecked, z_space_operands
 from .eq18_back_transform import back_transform
-from .fast_decode import code_counts, decode_step_fast, prepare_codebook
+from .fast_decode import decode_step_fast, prepare_codebook
 from .retrieval import attention_scale, gqa_group
 from .rope import (applied_cos_sin, fast_rope_args, fast_rope_from_json, fast_rope_to_json, rope_params_from_module,
                    rotate_by_tables)
@@ -151,8 +152,8 @@ class LayerCodebook:
 
     @cached_property
     def z_operands(self) -> mx.array:
-        """z_space_operands(Cz), built once per codebook: the code assignment reads it."""
-        return z_space_operands(self.Cz)
+        """z_space_operands(Cz, L), built once per codebook: the code assignment reads it."""
+        return z_space_operands(self.Cz, self.L)
 
     @classmethod
     def from_z(cls, Cz, L) -> "LayerCodebook":
@@ -250,8 +251,17 @@ def random_codebook(n_layers: int, n_kv_heads: int, head_dim: int, K: int = 256,
 # --------------------------------------------------------------------------- code assignment
 
 
+def count_rows(codes: np.ndarray, K: int) -> np.ndarray:
+    """(..., n) codes -> (..., K) int32: how many of each row's n codes equal each of 0..K-1 (fast_decode.code_counts
+    on the host: one bincount for all rows, each row offset by row * K)."""
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    rows = math.prod(lead)
+    flat = codes.reshape(rows, n).astype(np.intp) + (np.arange(rows, dtype=np.intp) * K)[:, None]
+    return np.bincount(flat.reshape(-1), minlength=rows * K).astype(np.int32).reshape(lead + (K,))
+
+
 def assign_codes(k_post: mx.array, positions: mx.array, codebook: LayerCodebook, inv_freqs, *, traditional: bool,
-                 fast_rope: Optional[dict] = None):
+                 fast_rope: Optional[dict] = None, host: bool = False):
     """CACHE codes: EQ-12 de-rotation of post-RoPE keys at their own positions, then EQ-16 assignment.
 
     k_post (B, n_kv, t, d) post-RoPE keys, positions (t,) or a range -> codes (B, n_kv, t) in the CODES-DTYPE dtype.
@@ -260,6 +270,7 @@ def assign_codes(k_post: mx.array, positions: mx.array, codebook: LayerCodebook,
     checks cost host syncs on every token and the cache has validated its inputs already.
     fast_rope (rope.fast_rope_args of the model's rope module): undo the angles mx.fast.rope applied on this
     device (rope.applied_cos_sin) instead of m * inv_freqs; they differ on MLX CUDA at long positions.
+    host=True: the codes come back as a NumPy array (assign_z_unchecked).
     """
     f32 = mx.float32
     if fast_rope is not None:
@@ -269,7 +280,7 @@ def assign_codes(k_post: mx.array, positions: mx.array, codebook: LayerCodebook,
         if isinstance(positions, range):
             positions = mx.arange(positions.start, positions.stop)
         k_pre = far_keys_unchecked(k_post.astype(f32), positions.astype(f32), inv_freqs, traditional=traditional)
-    return assign_z_unchecked(k_pre, codebook.Cz, codebook.L, codebook.z_operands)  # per-head (n_kv, K, d)
+    return assign_z_unchecked(k_pre, codebook.Cz, codebook.L, codebook.z_operands, host=host)  # per-head (n_kv, K, d)
 
 
 # --------------------------------------------------------------------------- the cache
@@ -308,7 +319,9 @@ class A2ATSCache(_BaseCache):
         self.codes = None
         self.offset = 0
         self._coded = 0   # tokens [0, _coded) have their code in self.codes; the rest are pending
-        self._counts = None   # (B, n_kv, K) int32: code_counts of the coded tokens [0, _coded) (RET-DECODE)
+        # (B, n_kv, K) int32 NumPy: how many of the coded tokens [0, _coded) hold each code (RET-DECODE's counts),
+        # kept on the host from the host codes of each batch; _counts_mx is its mx copy, made when a decode needs it
+        self._counts = self._counts_mx = None
         self._last_selection = None
 
     #: decode_step_fast's selection method ("auto": chosen per device; "host", "mlx", "sortfree" force one)
@@ -324,7 +337,7 @@ class A2ATSCache(_BaseCache):
         if self.keys is not None and prev == 0 and keys.shape[0] != self.keys.shape[0]:
             # Empty (e.g. trimmed to 0) with another batch size: start fresh buffers rather than let
             # the old ones broadcast the new batch into the wrong shape. Nothing cached is lost.
-            self.keys = self.values = self.codes = self._counts = None
+            self.keys = self.values = self.codes = self._counts = self._counts_mx = None
             self._coded = 0
         if self.keys is None or prev + t > self.keys.shape[2]:
             self._grow(keys, values, prev, t)
@@ -339,28 +352,32 @@ class A2ATSCache(_BaseCache):
         """Make sure tokens [0, upto) have codes: if any is pending, code every pending token (one batch).
 
         Codes read the cached post-RoPE keys at their own positions (EQ-12, EQ-16), exactly as on append.
-        The per-code counts gain the new batch's codes.
+        The per-code counts gain the new batch's codes, counted on the host from the codes as they come
+        back from the argmin (no MLX scatter, no extra sync).
         """
         if self._coded >= min(upto, self.offset):
             return
         for s in range(self._coded, self.offset, self.CODE_BATCH_MAX):
             e = min(s + self.CODE_BATCH_MAX, self.offset)
-            self.codes[..., s:e] = assign_codes(self.keys[..., s:e, :], range(s, e), self.codebook,
-                                                self.inv_freqs, traditional=self.traditional,
-                                                fast_rope=self.fast_rope)
-        self._count_codes(self._coded, self.offset, +1)
+            codes = assign_codes(self.keys[..., s:e, :], range(s, e), self.codebook, self.inv_freqs,
+                                 traditional=self.traditional, fast_rope=self.fast_rope, host=True)
+            self.codes[..., s:e] = mx.array(codes)
+            self._count_codes(codes, +1)
         self._coded = self.offset
 
-    def _count_codes(self, s: int, e: int, sign: int) -> None:
-        """Add (sign +1) or remove (-1) the codes of tokens [s, e) to the per-code counts."""
+    def _count_codes(self, codes, sign: int) -> None:
+        """Add (sign +1) or remove (-1) host codes (B, n_kv, n) to the per-code counts."""
         if self._counts is None:
-            self._counts = mx.zeros(self.codes.shape[:2] + (self.codebook.K,), dtype=mx.int32)
-        if e > s:
-            self._counts = self._counts + sign * code_counts(self.codes[..., s:e], self.codebook.K)
-            # evaluated now: a lazy count would hold this version of the code buffer, so the next write into
-            # it could not happen in place (an O(T) copy per batch) and the graph would grow for every batch
-            # on paths that never read the counts (the CPU's "mlx" and "host" selections)
-            mx.eval(self._counts)
+            self._counts = np.zeros(self.codes.shape[:2] + (self.codebook.K,), dtype=np.int32)
+        if codes.shape[-1]:
+            self._counts += sign * count_rows(codes, self.codebook.K)
+            self._counts_mx = None
+
+    def _counts_array(self) -> Optional[mx.array]:
+        """The counts as the mx.array decode_step_fast reads (copied once after each change)."""
+        if self._counts is not None and self._counts_mx is None:
+            self._counts_mx = mx.array(self._counts)
+        return self._counts_mx
 
     def _grow(self, keys, values, prev, t):
         B, n_kv, _, dk = keys.shape
@@ -431,7 +448,7 @@ class A2ATSCache(_BaseCache):
         n = min(self.offset, int(n))
         self.offset -= n
         if self._coded > self.offset:
-            self._count_codes(self.offset, self._coded, -1)
+            self._count_codes(np.array(self.codes[..., self.offset:self._coded]), -1)
             self._coded = self.offset
         self._last_selection = None
         return n
@@ -459,7 +476,7 @@ class A2ATSCache(_BaseCache):
     @state.setter
     def state(self, v):
         if v is None or len(v) == 0:
-            self.keys = self.values = self.codes = self._counts = None
+            self.keys = self.values = self.codes = self._counts = self._counts_mx = None
             self.offset = self._coded = 0
             return
         keys, values, codes = v
@@ -470,7 +487,10 @@ class A2ATSCache(_BaseCache):
             )
         self.keys, self.values, self.codes = keys, values, codes
         self.offset = self._coded = keys.shape[2]
-        self._counts = code_counts(codes, self.codebook.K)   # recounted, not saved: the file format is unchanged
+        # recounted, not saved: the file format is unchanged (an empty host copy: MLX CUDA 0.32 segfaults on those)
+        self._counts = (count_rows(np.array(codes), self.codebook.K) if codes.shape[2]
+                        else np.zeros(codes.shape[:2] + (self.codebook.K,), np.int32))
+        self._counts_mx = None
         self._last_selection = None
 
     @property
@@ -539,7 +559,7 @@ class A2ATSCache(_BaseCache):
             sinks=cfg.sinks, topk=cfg.topk, inv_freqs=self.inv_freqs, traditional=self.traditional,
             scale=attention_scale(scale, cb.head_dim), n_tokens=self.offset, return_selection=True,
             applied_angle=self._query_angle(), method=self.select_method,
-            code_counts=None if self._counts is None else (self._counts, self._coded),
+            code_counts=None if self._counts is None else (self._counts_array(), self._coded),
         )
         return out
 

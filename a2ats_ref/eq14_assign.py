@@ -67,19 +67,21 @@ def _head_halves(x: mx.array, Yb: mx.array) -> list[tuple[mx.array, mx.array]]:
     return [(x[..., :m, :, :], Yb[..., :m, :, :]), (x[..., m:, :, :], Yb[..., m:, :, :])]
 
 
-def nearest_rows(x: mx.array, Yb: mx.array) -> mx.array:
+def nearest_rows(x: mx.array, Yb: mx.array, *, host: bool = False):
     """argmin_j (-2 x . Y_j + bias_j) over row blocks; x (..., N, d), Yb = distance_operand(Y, bias)
-    (..., d + 1, K) -> uint32 codes (..., N).
+    (..., d + 1, K) -> uint32 codes (..., N), an mx.array, or a NumPy array when host=True.
 
     Each block's distances come out of one batched GEMM of [-2x, 1] with Yb, so no elementwise pass over
     the (rows, K) block is needed before the argmin (x2 is exact; the bias is one more product term).
     On the CPU the block is reduced by NumPy's argmin (same rule: first minimum; MLX's CPU argmin costs
     several times the GEMM): a batch of tokens costs about one read of the codebook plus its FLOPs.
+    host=True hands back those NumPy codes as they are (a caller that counts them on the host saves a copy
+    back and forth); on a GPU it copies the device's codes to the host.
     """
     lead = tuple(np.broadcast_shapes(x.shape[:-2], Yb.shape[:-2]))
     N, K = x.shape[-2], Yb.shape[-1]
     if N == 0:  # no keys: empty codes of the broadcast shape (argmin refuses empty arrays)
-        return mx.zeros(lead + (0,), dtype=mx.uint32)
+        return np.zeros(lead + (0,), np.uint32) if host else mx.zeros(lead + (0,), dtype=mx.uint32)
     xa = mx.concatenate([-2.0 * x, mx.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)
     blocks = row_blocks(N, 4 * K * max(1, math.prod(lead)))
     out = []
@@ -88,13 +90,15 @@ def nearest_rows(x: mx.array, Yb: mx.array) -> mx.array:
         for s, e in blocks:
             out.append(mx.argmin(mm(xa[..., s:e, :], Yb), axis=-1).astype(mx.uint32))
             mx.eval(out[-1])
-        return mx.concatenate(out, axis=-1) if len(out) > 1 else out[0]
+        codes = mx.concatenate(out, axis=-1) if len(out) > 1 else out[0]
+        return np.array(codes) if host else codes
     for s, e in blocks:
         dists = [mm(a, b) for a, b in _head_halves(xa[..., s:e, :], Yb)]
         mx.async_eval(dists)   # NumPy reduces the first half while MLX multiplies the second
         codes = [np.asarray(dist).argmin(axis=-1).astype(np.uint32) for dist in dists]
         out.append(np.concatenate(codes, axis=-2) if len(codes) > 1 else codes[0])
-    return mx.array(np.concatenate(out, axis=-1) if len(out) > 1 else out[0])
+    codes = np.concatenate(out, axis=-1) if len(out) > 1 else out[0]
+    return codes if host else mx.array(codes)
 
 
 def assign(k, C, H) -> mx.array:

@@ -148,13 +148,13 @@ def test_codes_are_assigned_in_batches_when_tokens_leave_the_window(monkeypatch)
 
 
 def _counts_ok(cache):
-    """The kept per-code counts are code_counts of the coded tokens [0, _coded)."""
+    """The kept per-code counts, and the mx copy decode reads, are code_counts of the coded tokens [0, _coded)."""
     from a2ats_ref.fast_decode import code_counts
 
     if cache._coded == 0:
         return cache._counts is None or not np.array(cache._counts).any()
-    want = code_counts(cache.codes[..., : cache._coded], K)
-    return np.array_equal(np.array(cache._counts), np.array(want))
+    want = np.array(code_counts(cache.codes[..., : cache._coded], K))
+    return np.array_equal(cache._counts, want) and np.array_equal(np.array(cache._counts_array()), want)
 
 
 def test_code_counts_follow_coding_trim_and_load(monkeypatch, tmp_path):
@@ -185,7 +185,7 @@ def test_code_counts_follow_coding_trim_and_load(monkeypatch, tmp_path):
     (loaded,) = load_a2ats_cache(str(tmp_path / "c.safetensors"), cb)
     assert _counts_ok(loaded) and loaded._coded == loaded.offset
     real = C.A2ATSCache._count_codes
-    monkeypatch.setattr(C.A2ATSCache, "_count_codes", lambda self, s, e, sign: sign < 0 or real(self, s, e, sign))
+    monkeypatch.setattr(C.A2ATSCache, "_count_codes", lambda self, codes, sign: sign < 0 or real(self, codes, sign))
     cache.trim(20)
     assert not _counts_ok(cache)
 
