@@ -37,6 +37,10 @@ def test_speed_quick_json_schema(tmp_path):
     assert "library default" in md.read_text()
     for r in res["cache_update"]["rows"]:
         assert r["kvcache_ms"] > 0 and r["a2ats_ms"] > 0 and r["a2ats_eager_ms"] > 0 and r["ratio_bound_at_blas_peak"] > 0
+        lo, hi = r["eager_over_deferred_quartiles"]   # 3x the decode rows' reps, the paired median inside its quartiles
+        assert r["reps"] == 9 and r["layers"] == 1 and lo <= r["eager_over_deferred"] <= hi
+    assert [(r["T"], r["layers"]) for r in res["cache_update_layers"]["rows"]] == [(1024, 2)]
+    assert "as in generation" in md.read_text()
     assert res["cache_update"]["assignment_gemm"]["flops_per_token"] == 2 * 8 * 128 * 4096   # n_kv · d · K at 8B shapes
     for r in res["memory"]["rows"]:
         assert r["a2ats_bytes"] > r["kvcache_bytes"]
@@ -59,6 +63,30 @@ def test_paired_ratio_is_the_median_of_per_repetition_ratios():
     assert paired_ratio([3.0, 4.0, 10.0], [1.0, 4.0, 5.0]) == {"median": 2.0, "q25": 1.5, "q75": 2.5, "n": 3}
     with pytest.raises(ValueError, match="equally long"):
         paired_ratio([1.0, 2.0], [1.0])
+
+
+def test_update_case_codes_one_batch_per_repetition_in_every_layer(monkeypatch):
+    """The update case's batched row codes w + 1 tokens per repetition in each layer (one batch, triggered as decode
+    triggers it), each layer with its own codebook, and every repetition starts from the same T cached tokens."""
+    from a2ats_ref import bench_speed as bs
+    from a2ats_ref import cache as C
+
+    seen = []
+    real = C.A2ATSCache._assign_pending
+
+    def spy(self, upto):
+        pending = self.offset - self._coded if self._coded < min(upto, self.offset) else 0
+        if pending and upto < self.offset:   # the batched row (the eager row asks for every token: upto == offset)
+            seen.append((id(self.codebook), self._coded, pending))
+        real(self, upto)
+
+    monkeypatch.setattr(C.A2ATSCache, "_assign_pending", spy)
+    res = bs.cache_update_table([256], shape=dict(n_kv=2, d=32), K=256, reps=2, w=8, layers=3)
+    (row,) = res["rows"]
+    assert row["layers"] == 3 and row["reps"] == 2 and row["tokens_per_rep"] == 9
+    # warm-up + 2 repetitions, 3 layers: 9 batches, each of the w + 1 tokens appended after the T seeded ones
+    assert len(seen) == 9 and {(s, n) for _, s, n in seen} == {(256, 9)}, seen
+    assert len({cb for cb, _, _ in seen}) == 3   # each layer its own codebook
 
 
 def test_speed_T_chooses_the_context_lengths(tmp_path):
