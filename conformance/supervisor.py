@@ -107,6 +107,14 @@ def _wait(proc: subprocess.Popen) -> tuple[int, bool]:
         _kill_group(proc, signal.SIGKILL)   # orphaned xdist workers of a dead controller
 
 
+def _default_sigint() -> None:
+    """In the child, before it runs: SIGINT at its default. A process started with SIGINT ignored (nohup, a shell's
+    background job, some CI runners) passes that on, Python then installs no KeyboardInterrupt handler, and the
+    SIGINT this supervisor sends on Ctrl-C or SIGTERM would not stop the child: it would run to the end and its
+    verdicts would stand for a run the user had stopped."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _term_as_interrupt(signum, frame):
     raise KeyboardInterrupt   # SIGTERM (a CI job cancelled) is handled like Ctrl-C: reports still written
 
@@ -136,7 +144,7 @@ def _run_child_suite(pytest_args: list[str], *, quiet: bool) -> Outcome:
             with open(skip, "w", encoding="utf-8") as f:
                 f.write("".join(n + "\n" for n in out["done"]))
             proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], env=_child_env(), start_new_session=True,
-                                    stdout=subprocess.DEVNULL if quiet else None)
+                                    stdout=subprocess.DEVNULL if quiet else None, preexec_fn=_default_sigint)
             code, interrupted = _wait(proc)
             events = read_stream(stream)
             finished = _absorb(out, events[seen:], run_dir, code)   # this child's events only

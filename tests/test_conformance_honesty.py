@@ -93,13 +93,22 @@ def _no_unearned_pass(rep):
     assert not [c for c, v in rep["clauses"].items() if v["status"] == "pass" and v["examples"] == 0], rep["clauses"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_writes_reports_and_no_unearned_pass(tmp_path, sig):
+def _sigint(disposition):
+    return lambda: signal.signal(signal.SIGINT, disposition)
+
+
+@pytest.mark.parametrize("sig, sigint", [(signal.SIGINT, signal.SIG_DFL), (signal.SIGTERM, signal.SIG_DFL),
+                                         (signal.SIGTERM, signal.SIG_IGN)])
+def test_ctrl_c_writes_reports_and_no_unearned_pass(tmp_path, sig, sigint):
+    # The CLI starts with SIGINT at its default (a terminal's Ctrl-C) or ignored (nohup, a background job, some CI
+    # runners, which then stop a job by SIGTERM): either way the supervised child must stop, and the run must read
+    # interrupted. With SIGINT ignored and inherited, the child used to finish and the run read complete.
     marker = tmp_path / "started"
     js, md = tmp_path / "r.json", tmp_path / "r.md"
     env = dict(os.environ, PYTHONPATH=str(ROOT), A2ATS_TEST_MARKER=str(marker))
     p = subprocess.Popen([*CLI, "--iut", "honesty_adapters.misbehave:Slow", *FAST, "--report-json", str(js),
-                          "--report-md", str(md)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL)
+                          "--report-md", str(md)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                         preexec_fn=_sigint(sigint))
     deadline = time.time() + 120
     while not marker.exists() and time.time() < deadline:   # ROPE-FREQ (1 s per call) has started
         time.sleep(0.1)
