@@ -257,8 +257,10 @@ _LEVELS_SRC = """
     }
 """
 
-# levels (BH, K) uint8 (1 must, 2 may, 0 not); the candidates are [c0, c1).
-_BALLOT = """
+# levels (BH, K) uint8 (1 must, 2 may, 0 not); the candidates are [c0, c1). Each warp ballots its tokens' levels.
+# This block's first level-1 slot: the level-1 tokens of the blocks before it; first level-2 slot: n1 plus
+# the level-2 tokens before it.
+_SCATTER_SRC = """
     const int r = blockIdx.y;
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     const int Tc = codes_shape[2];   // codes (B, n_kv, T): row r = b * n_kv + h
@@ -272,11 +274,6 @@ _BALLOT = """
     __shared__ int s1[32], s2[32];
     if (lane == 0) { s1[warp] = __popc(b1); s2[warp] = __popc(b2); }
     __syncthreads();
-"""
-
-# This block's first level-1 slot: the level-1 tokens of the blocks before it; first level-2 slot: n1 plus
-# the level-2 tokens before it.
-_SCATTER_SRC = _BALLOT + """
     __shared__ int base[2];
     if (threadIdx.x < 2) base[threadIdx.x] = 0;
     __syncthreads();
