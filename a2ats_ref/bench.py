@@ -87,8 +87,9 @@ def machine(allocator_tuned: bool) -> dict:
 
 # --------------------------------------------------------------------------- speed
 
-#: the dtype-ratio rows run this many times the profile's reps (their quartiles come from single repetitions)
-DTYPE_RATIO_REPS_PER_REP = 3
+#: the paired-ratio sections (dtype ratio, cache update) run this many times the profile's reps: their quartiles
+#: come from single repetitions, and a cache-update repetition is 65 appends of a cost bimodal with the machine
+PAIRED_REPS_PER_REP = 3
 
 SPEED_PROFILES = {
     #        decode_step Ts            dtypes                  reps  cache-update Ts        e2e ctx  e2e tokens
@@ -126,8 +127,7 @@ def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=No
                           if "decode" in want else [])
     if "decode" in want and "float32" in p["dtypes"] and len(p["dtypes"]) > 1:
         _log("A2ATS decode step: each dtype against float32, interleaved")
-        # 3x the decode rows' reps: the ratio's quartiles come from single repetitions
-        res["dtype_ratio"] = [bs.dtype_ratio_case(T, p["dtypes"], reps=DTYPE_RATIO_REPS_PER_REP * p["reps"], K=p["K"],
+        res["dtype_ratio"] = [bs.dtype_ratio_case(T, p["dtypes"], reps=PAIRED_REPS_PER_REP * p["reps"], K=p["K"],
                                                   **shape) for T in p["Ts"]]
     if p["lib_Ts"] and "library" in want:
         _log("library path: public API only (make_a2ats_cache + enable_a2ats + generate_step)")
@@ -135,8 +135,8 @@ def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=No
                                                          tokens=p["lib_tokens"], rounds=p["lib_rounds"])
     if "update" in want:
         _log("cache update cost vs T")
-        # 3x the decode rows' reps: a repetition is 65 appends of a cost that is bimodal with the machine's state
-        res["cache_update"] = bs.cache_update_table(p["upd_Ts"], shape=shape, K=p["K"], reps=3 * p["reps"])
+        res["cache_update"] = bs.cache_update_table(p["upd_Ts"], shape=shape, K=p["K"],
+                                                    reps=PAIRED_REPS_PER_REP * p["reps"])
         if p["upd_layers"] > 1:
             _log(f"cache update as in generation: {p['upd_layers']} layers, one evaluation per token")
             res["cache_update_layers"] = bs.cache_update_table(p["upd_layer_Ts"], shape=shape, K=p["K"],

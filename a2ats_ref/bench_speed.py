@@ -99,8 +99,8 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
 
     # On a GPU the "host" method reads arrays on the CPU, which moves their (unified) memory pages to the host; the
     # next GPU method to read the same array then pays to move them back (on the H200 at 256K this roughly doubled
-    # the CUDA step's time when the codes were shared). The
-    # host method gets its own copy of every array it is handed, so each row times its method alone.
+    # the CUDA step's time when the codes were shared). The host method gets its own copy of every array it is
+    # handed, so each row times its method alone.
     host_x, host_kw = x, kw
     if mx.default_device().type != mx.cpu:
         copy = lambda a: a + 0   # on the device: a host round trip would move the originals' pages too
@@ -121,7 +121,7 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
             if m != auto:
                 fns["a2ats_" + m] = a2ats(m)
     res = interleaved(fns, reps=reps)
-    ratio = lambda name: float(np.median([dt / at for dt, at in zip(res["dense"]["times_ms"], res[name]["times_ms"])]))
+    ratio = lambda name: paired_ratio(res["dense"]["times_ms"], res[name]["times_ms"])["median"]
     gathered = fast_decode.selection_size(T, n_q=n_q, n_kv=n_kv, w=w, sinks=sinks, topk=topk)
     item = mx.zeros((), dtype).itemsize
     by_method = {auto: "a2ats", **{k[6:]: k for k in res if k.startswith("a2ats_")}}
