@@ -1,32 +1,37 @@
-"""RET-DECODE on MLX's CUDA backend: the whole sort-free decode step in four CUDA kernels.
+"""RET-DECODE on MLX's CUDA backend: the whole sort-free decode step in two CUDA kernels.
 
 The selection is the portable sort-free step's (``fast_decode``: RET-SELECT's sets from per-code levels, ties
 at a head's threshold taken whole, level-1 tokens first and then level-2 ties, each in index order, cut at S
-slots), and so is the attention. What changes is the number of launches: the portable step is ~80 small MLX
-kernels and its time on an H200 was launch overhead (ncu: 81 kernels, most of 2-3 us). Each launch through
-MLX's custom-kernel path still costs ~0.03-0.05 ms of wall time there, so the step is as few kernels as its
-data dependencies allow:
+slots), and so is the attention. What changes is the number of launches and the bytes read: the portable step
+is ~80 small MLX kernels and its time on an H200 was launch overhead (ncu: 81 kernels, most of 2-3 us), and each
+launch through MLX's custom-kernel path still costs ~0.03-0.05 ms of wall time there. So the step is two
+kernels, the fewest its one global dependency allows (every token's fate needs each head's threshold, which
+needs every code's score):
 
-1. ``lut``: EQ-12 on the query (undo the angle mlx-lm applied, apply b) and the LUT q_b C for every code, in
-   float32 FMAs (no TF32: closer to the oracle than the portable step's GEMM under MLX's TF32 default);
-2. ``levels`` (one block per row): the kept code counts corrected by the sinks and the coded window tail (as
-   ``fast_decode._candidate_counts``), then each query head's kk-th largest candidate score by a radix select
-   over the K code scores weighted by their counts (4 passes of 8 bits; T tokens are never sorted), then each
-   code's level (1 must, 2 tie at a threshold, 0 not), the level token counts, and the level-1/level-2 tokens
-   of each 1,024-token block;
-3. ``scatter``: each selected token's slot: its block's offset summed from the earlier blocks' counts, plus
-   warp-ballot prefix counts inside the block;
-4. ``attend``: the forced (sink and window) rows and the selected rows read in place from the cache buffer, an
-   online softmax per warp and per block (float32), a partial (max, sum, weighted V) per block, and the row's
-   last block merges the partials into the output, in the values' dtype.
+1. ``select`` (one block of 1,024 threads per (b, kv) row): EQ-12 on the query (undo the angle mlx-lm applied,
+   apply b) and the LUT q_b C for every code, in float32 FMAs (no TF32: closer to the oracle than the portable
+   step's GEMM under MLX's TF32 default); then the kept code counts corrected by the sinks and the coded window
+   tail (as ``fast_decode._candidate_counts``), each query head's kk-th largest candidate score by a radix
+   select over the K code scores weighted by their counts (4 passes of 8 bits; T tokens are never sorted), each
+   code's level (1 must, 2 tie at a threshold, 0 not) and the level token counts n1, n2;
+2. ``attend`` (one block per chunk of tokens and row): the chunk's tokens are scanned against the code levels
+   (the forced sinks and window always taken) and compacted in index order in shared memory by warp ballots, so
+   no index list goes through memory; their key and value rows are read in place from the cache buffer, 16
+   bytes per lane, several rows in flight per warp, with an online softmax per lane group (float32); each block
+   leaves a partial (max, sum, weighted V) and the row's last block merges them into the output, in the values'
+   dtype. The S-slot cut of level-2 ties only binds when n1 + n2 > S; only then does a block count the level-1
+   and level-2 tokens before its chunk, to rank its own.
+
+The ``mask`` kernel is the same scan writing the selected set instead of attending to it: only run when a caller
+asks which tokens were selected (``KernelSelection.mask``, the cache's ``last_selection``, the self-check).
 
 Every per-step number (kk, the candidate range, the coded count, the slot count, the token count; b, the query
-position and the scale as float32 bits) travels as the shape of an empty array (step_params), which MLX passes to
-the kernel by value: decoding never recompiles a kernel and hands the GPU no host-written memory. NVRTC compiles
-each kernel once per dtype and head shape.
+position and the scale as float32 bits; the chunk length) travels as the shape of an empty array (step_params),
+which MLX passes to the kernel by value: decoding never recompiles a kernel and hands the GPU no host-written
+memory. NVRTC compiles each kernel once per dtype and head shape.
 
 ``fast_decode`` runs this for method="cuda", and "auto" takes it on CUDA when ``usable()``: a once-per-process
-self-check that the kernels compile and reproduce the portable parts (the LUT against float64, the slots
+self-check that the kernels compile and reproduce the portable parts (the LUT against float64, the selected set
 against the portable selection given the same LUT, exactly, and the attention to float32 tolerance). Anything
 else (Metal, CPU, shapes outside ``shapes_supported``) runs the portable sort-free step, which the conformance
 suite checks on every backend.
@@ -37,38 +42,40 @@ from __future__ import annotations
 import struct
 import warnings
 from functools import lru_cache
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
-#: tokens per block of the compaction kernels (32 warps of 32: one ballot per warp)
-BLOCK = 1024
-#: warps per block of the attention kernel, slots each warp walks, and rows each warp loads at once
-WARPS, SLOTS_PER_WARP, ROWS_IN_FLIGHT = 8, 16, 4
-#: threads per block of the LUT kernel (one code per thread)
-LUT_THREADS = 64
+#: threads per block of the select kernel (one block per row: the radix select needs the whole row's scores)
+SELECT_THREADS = 1024
+#: warps per block of the attend and mask kernels, and row groups each lane keeps in flight
+WARPS, ROWS_IN_FLIGHT = 8, 4
+#: the longest chunk of tokens one attend block scans (its shared token list); chunks are powers of two from
+#: WARPS * 32 to this, picked per step so a row's chunks fill the GPU (chunk_for)
+CHUNK_MAX = 2048
+#: attend blocks per step that chunk_for aims at: ~8 per SM of a 132-SM H200, enough to hide the gathers' latency
+TARGET_BLOCKS = 1024
 #: static shared memory a kernel may use (CUDA's limit without opt-in is 48 KB)
 _SHARED_LIMIT = 46 * 1024
 
-_HEADER = f"#define A2ATS_BLOCK {BLOCK}\n" + """
+_HEADER = f"#define A2ATS_CHUNK_MAX {CHUNK_MAX}\n" + """
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 __device__ inline float a2ats_f32(float x) { return x; }
 __device__ inline float a2ats_f32(__half x) { return __half2float(x); }
 __device__ inline float a2ats_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-// N consecutive elements as one load (a lane's share of a row: 8 or 16 bytes)
+// N consecutive elements as one load (a lane's share of a row: 8, 16 or 32 bytes)
 template <typename T, int N> struct alignas(sizeof(T) * N) a2ats_vec { T v[N]; };
 // The per-step numbers, read from the shapes of two empty int32 arrays (step_params; MLX passes an input's shape
-// by value). The forced tokens are the sinks [0, c0) and the window [c1, n): slot s < F holds forced(s).
+// by value). The forced tokens are the sinks [0, c0) and the window [c1, n).
 struct a2ats_step {
-    int kk, c0, c1, counted, S, kept, n, sinks, w;
+    int kk, c0, c1, counted, S, kept, n, sinks, w, chunk;
     float b, qpos, scale;
     template <typename SA, typename SB>
     __device__ a2ats_step(const SA& a, const SB& z)
         : kk(a[1]), c0(a[2]), c1(a[3]), counted(a[4]), S(a[5]), kept(a[6]), n(a[7]), sinks(z[1]), w(z[2]),
-          b(__int_as_float(z[3])), qpos(__int_as_float(z[4])), scale(__int_as_float(z[5])) {}
-    __device__ int F() const { return c0 + n - c1; }
-    __device__ int forced(int s) const { return s < c0 ? s : c1 + (s - c0); }
+          chunk(z[6]), b(__int_as_float(z[3])), qpos(__int_as_float(z[4])), scale(__int_as_float(z[5])) {}
 };
 // order-preserving key of a float (larger float, larger key); -0 and +0 share one key, as they compare equal
 __device__ inline unsigned a2ats_key(float f) {
@@ -77,66 +84,77 @@ __device__ inline unsigned a2ats_key(float f) {
 }
 """
 
-# q (B, n_q, 1, D) post-RoPE in the cache dtype; CT (n_kv, D, K); inv, tc, ts (D/2,); (b, query position, scale) from
-# the step. Undo the applied angle (tables tc/ts when TABLES, else position * inv), apply b,
-# scale: the LUT.
-_LUT_SRC = """
+# q (B, n_q, 1, D) post-RoPE in the cache dtype; CT (n_kv, D, K) float32; inv, tc, ts (D/2,); counts (B, n_kv, K);
+# codes (B, n_kv, T). Row r = b * n_kv + h; its query heads are r * G + g.
+_SELECT_SRC = """
     constexpr int H2 = D / 2;
-    const int bh = blockIdx.y, h = bh % NKV;
-    const int K = CT_shape[2];
-    __shared__ float qs[G * D], rot[4 * H2];
-    const a2ats_step P(ipa_shape, ipb_shape);
-    const float bpos = P.b, qpos = P.qpos, scale = P.scale;
-    // the angles depend on the pair i only: once per block, not per query head. The applied angle is the float32
-    // product qpos * inv[i] (what mlx-lm's rope formed) and its cos/sin are taken in double: cosf/sinf of an
-    // argument past ~1e5 rad (positions past 105,615 at inv = 1) take CUDA's slow reduction path, which made
-    // this kernel 0.23 ms at 256K
-    for (int i = threadIdx.x; i < H2; i += blockDim.x) {
-        if (TABLES) { rot[i] = tc[i]; rot[H2 + i] = ts[i]; }
-        else { double sd, cd; sincos((double)(qpos * inv[i]), &sd, &cd); rot[i] = (float)cd; rot[H2 + i] = (float)sd; }
-        float s2, c2;
-        sincosf(bpos * inv[i], &s2, &c2);
-        rot[2 * H2 + i] = c2;
-        rot[3 * H2 + i] = s2;
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < G * H2; e += blockDim.x) {
-        const int g = e / H2, i = e - g * H2;
-        const int ia = TRAD ? 2 * i : i, ib = TRAD ? 2 * i + 1 : i + H2;
-        const size_t base = ((size_t)bh * G + g) * D;
-        const float x0 = a2ats_f32(q[base + ia]), x1 = a2ats_f32(q[base + ib]);
-        const float c1 = rot[i], s1 = rot[H2 + i], c2 = rot[2 * H2 + i], s2 = rot[3 * H2 + i];
-        const float a1 = x0 * c1 + x1 * s1, b1 = x1 * c1 - x0 * s1;
-        qs[g * D + ia] = (a1 * c2 - b1 * s2) * scale;
-        qs[g * D + ib] = (a1 * s2 + b1 * c2) * scale;
-    }
-    __syncthreads();
-    const int k = blockIdx.x * blockDim.x + threadIdx.x;
-    if (k < K) {
-        float acc[G];
-        for (int g = 0; g < G; ++g) acc[g] = 0.0f;
-        const float* col = CT + (size_t)h * D * K + k;
-#pragma unroll 16
-        for (int dd = 0; dd < D; ++dd) {
-            const float c = col[(size_t)dd * K];
-            for (int g = 0; g < G; ++g) acc[g] = fmaf(qs[g * D + dd], c, acc[g]);
-        }
-        for (int g = 0; g < G; ++g) lut[((size_t)bh * G + g) * K + k] = acc[g];
-    }
-"""
-
-# The step's numbers (a2ats_step): kk, [c0, c1), counted, kept, sinks, w. One block of 1,024
-# threads per (b, kv) row.
-_LEVELS_SRC = """
-    const int r = blockIdx.y, tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
-    const int Tc = codes_shape[2];   // codes (B, n_kv, T): row r = b * n_kv + h
+    const int r = blockIdx.y, h = r % NKV, tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
+    const int Tc = codes_shape[2];
     const a2ats_step P(ipa_shape, ipb_shape);
     const int kk = P.kk, c0 = P.c0, c1 = P.c1, counted = P.counted, kept = P.kept, sinks = P.sinks, w = P.w;
+    __shared__ float qs[G * D], rot[4 * H2];
     __shared__ int cnt[KS];
     __shared__ int hist[G * 256];
     __shared__ unsigned pre[G];
     __shared__ int rem[G], above[G], nge[G], n12[2];
-    __shared__ unsigned char lvs[KS];
+    // EQ-12. The angles depend on the pair i only. The applied angle is the float32 product qpos * inv[i] (what
+    // mlx-lm's rope formed) and its cos/sin are taken in double: cosf/sinf of an argument past ~1e5 rad
+    // (positions past 105,615 at inv = 1) take CUDA's slow reduction path (0.23 ms at 256K)
+    for (int i = tid; i < H2; i += nt) {
+        if (TABLES) { rot[i] = tc[i]; rot[H2 + i] = ts[i]; }
+        else { double sd, cd; sincos((double)(P.qpos * inv[i]), &sd, &cd); rot[i] = (float)cd; rot[H2 + i] = (float)sd; }
+        float s2, c2;
+        sincosf(P.b * inv[i], &s2, &c2);
+        rot[2 * H2 + i] = c2;
+        rot[3 * H2 + i] = s2;
+    }
+    __syncthreads();
+    for (int e = tid; e < G * H2; e += nt) {
+        const int g = e / H2, i = e - g * H2;
+        const int ia = TRAD ? 2 * i : i, ib = TRAD ? 2 * i + 1 : i + H2;
+        const size_t base = ((size_t)r * G + g) * D;
+        const float x0 = a2ats_f32(q[base + ia]), x1 = a2ats_f32(q[base + ib]);
+        const float c1_ = rot[i], s1 = rot[H2 + i], c2 = rot[2 * H2 + i], s2 = rot[3 * H2 + i];
+        const float a1 = x0 * c1_ + x1 * s1, b1 = x1 * c1_ - x0 * s1;
+        qs[g * D + ia] = (a1 * c2 - b1 * s2) * P.scale;
+        qs[g * D + ib] = (a1 * s2 + b1 * c2) * P.scale;
+    }
+    __syncthreads();
+    // The LUT: each thread four adjacent codes, one 16-byte load of CT per dimension (more bytes in flight per
+    // thread: one block reads the row's whole codebook)
+    float* lrow = lut + (size_t)r * G * KS;
+    if (KS % 4 == 0) {
+        const float4* col = reinterpret_cast<const float4*>(CT + (size_t)h * D * KS);
+        for (int k4 = tid; k4 < KS / 4; k4 += nt) {
+            float acc[G][4];
+            for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.0f;
+#pragma unroll 8
+            for (int dd = 0; dd < D; ++dd) {
+                const float4 c = col[(size_t)dd * (KS / 4) + k4];
+                for (int g = 0; g < G; ++g) {
+                    const float qv = qs[g * D + dd];
+                    acc[g][0] = fmaf(qv, c.x, acc[g][0]);
+                    acc[g][1] = fmaf(qv, c.y, acc[g][1]);
+                    acc[g][2] = fmaf(qv, c.z, acc[g][2]);
+                    acc[g][3] = fmaf(qv, c.w, acc[g][3]);
+                }
+            }
+            for (int g = 0; g < G; ++g)
+                *reinterpret_cast<float4*>(lrow + (size_t)g * KS + 4 * k4) = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+        }
+    } else {
+        for (int k = tid; k < KS; k += nt) {
+            float acc[G];
+            for (int g = 0; g < G; ++g) acc[g] = 0.0f;
+            const float* col = CT + (size_t)h * D * KS + k;
+            for (int dd = 0; dd < D; ++dd) {
+                const float c = col[(size_t)dd * KS];
+                for (int g = 0; g < G; ++g) acc[g] = fmaf(qs[g * D + dd], c, acc[g]);
+            }
+            for (int g = 0; g < G; ++g) lrow[(size_t)g * KS + k] = acc[g];
+        }
+    }
+    // the candidates' code counts: the kept counts less the sinks and the coded window tail, or counted here
     if (kept) {
         for (int c = tid; c < KS; c += nt) cnt[c] = counts[(size_t)r * KS + c];
         __syncthreads();
@@ -151,6 +169,7 @@ _LEVELS_SRC = """
     }
     if (tid < G) { pre[tid] = 0u; rem[tid] = kk; above[tid] = 0; }
     if (tid < 2) n12[tid] = 0;
+    // (the barrier at the first pass also makes this block's LUT stores visible to all its threads)
     for (int pass = 0; pass < 4; ++pass) {
         const int shift = 24 - 8 * pass;
         const unsigned himask = pass == 0 ? 0u : (0xffffffffu << (shift + 8));
@@ -160,7 +179,7 @@ _LEVELS_SRC = """
             const int n = cnt[c];
             if (n > 0) {
                 for (int g = 0; g < G; ++g) {
-                    const unsigned key = a2ats_key(lut[((size_t)r * G + g) * KS + c]);
+                    const unsigned key = a2ats_key(lrow[(size_t)g * KS + c]);
                     if (((key ^ pre[g]) & himask) == 0u) atomicAdd(&hist[g * 256 + ((key >> shift) & 255u)], n);
                 }
             }
@@ -198,14 +217,13 @@ _LEVELS_SRC = """
     for (int c = tid; c < KS; c += nt) {
         bool must = false, ge = false;
         for (int g = 0; g < G; ++g) {
-            const unsigned key = a2ats_key(lut[((size_t)r * G + g) * KS + c]);
+            const unsigned key = a2ats_key(lrow[(size_t)g * KS + c]);
             const bool gt = key > pre[g], eq = key == pre[g];
             must = must || gt || (eq && nge[g] == kk);
             ge = ge || gt || eq;
         }
         const int lv = must ? 1 : (ge ? 2 : 0);
         levels[(size_t)r * KS + c] = (unsigned char)lv;
-        lvs[c] = (unsigned char)lv;
         if (lv == 1) a1 += cnt[c];
         if (lv == 2) a2 += cnt[c];
     }
@@ -215,151 +233,158 @@ _LEVELS_SRC = """
     }
     if (lane == 0) { atomicAdd(&n12[0], a1); atomicAdd(&n12[1], a2); }
     __syncthreads();
+    // the third column is the attend kernel's ticket: zero here, reset by its last block
     if (tid == 0) { nsel[r * 3] = n12[0]; nsel[r * 3 + 1] = n12[1]; nsel[r * 3 + 2] = 0; }
-    // the compaction's per-block counts (what a separate kernel did, one launch fewer): each warp takes blocks of
-    // A2ATS_BLOCK tokens; the candidates are [c0, c1). A block wholly inside them, at a 16-byte aligned address, is
-    // read in 16-byte vectors, each warp load 512 consecutive bytes (which tokens a lane counts does not matter,
-    // only the block's sum); the blocks at the edges token by token.
-    constexpr int PER_VEC = 16 / sizeof(CodeT);
-    const int NB = (Tc + A2ATS_BLOCK - 1) / A2ATS_BLOCK;
-    for (int q = warp; q < NB; q += nt >> 5) {
-        int b1 = 0, b2 = 0;
-        const int j0 = q * A2ATS_BLOCK;
-        const CodeT* row = codes + (size_t)r * Tc + j0;
-        if (j0 >= c0 && j0 + A2ATS_BLOCK <= min(c1, Tc) && ((size_t)row & 15) == 0) {
-            const uint4* vrow = reinterpret_cast<const uint4*>(row);
-#pragma unroll
-            for (int t = 0; t < A2ATS_BLOCK / PER_VEC / 32; ++t) {
-                const uint4 v = vrow[t * 32 + lane];
-                const CodeT* c = reinterpret_cast<const CodeT*>(&v);
-#pragma unroll
-                for (int e = 0; e < PER_VEC; ++e) {
-                    const int lv = lvs[(int)c[e]];
-                    b1 += lv == 1;
-                    b2 += lv == 2;
-                }
-            }
-        } else {
-            for (int t = 0; t < A2ATS_BLOCK / 32; ++t) {
-                const int j = j0 + t * 32 + lane;
-                if (j < Tc && j >= c0 && j < c1) {
-                    const int lv = lvs[(int)row[t * 32 + lane]];
-                    b1 += lv == 1;
-                    b2 += lv == 2;
-                }
-            }
+"""
+
+# codes (B, n_kv, T); levels (BH, KS) uint8 (1 must, 2 may, 0 not); nsel (BH, 3): n1, n2, the attend ticket. Block
+# (c, r) scans tokens [c * chunk, (c + 1) * chunk) of [0, n) and leaves tok[0, m): the tokens it takes, in index
+# order. A candidate j in [c0, c1) of level 1 is taken if fewer than S level-1 tokens precede it, one of level 2
+# if n1 plus the level-2 tokens before it are fewer than S (the portable step's slot order: level 1 first, each
+# level in index order); the sinks and the window are always taken.
+_SCAN_SRC = """
+    constexpr int NT = NW * 32;
+    const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const a2ats_step P(ipa_shape, ipb_shape);
+    const int n = P.n, c0 = P.c0, c1 = P.c1, S = P.S;
+    const int Tc = codes_shape[2];
+    const int n1 = nsel[r * 3], n2 = nsel[r * 3 + 1];
+    const CodeT* crow = codes + (size_t)r * Tc;
+    // SMEM bytes: the code levels and the token list here; the attend kernel reuses them for its warps' partials
+    __shared__ __align__(16) unsigned char a2ats_smem[SMEM];
+    unsigned char* lvs = a2ats_smem;
+    int* tok = reinterpret_cast<int*>(a2ats_smem + (KS + 15) / 16 * 16);
+    __shared__ int wc[3][NW], before[2];
+    for (int k = tid; k < KS; k += NT) lvs[k] = levels[(size_t)r * KS + k];
+    if (tid < 2) before[tid] = 0;
+    const int j0 = c * P.chunk, j1 = min(j0 + P.chunk, n);
+    __syncthreads();
+    if (n1 + n2 > S) {   // the cut binds: rank this chunk's tokens among all candidates (O(T) per block, rare)
+        int a1 = 0, a2 = 0;
+        for (int j = c0 + tid; j < min(j0, c1); j += NT) {
+            const int lv = lvs[(int)crow[j]];
+            a1 += lv == 1;
+            a2 += lv == 2;
         }
         for (int off = 16; off > 0; off >>= 1) {
-            b1 += __shfl_down_sync(0xffffffffu, b1, off);
-            b2 += __shfl_down_sync(0xffffffffu, b2, off);
+            a1 += __shfl_down_sync(0xffffffffu, a1, off);
+            a2 += __shfl_down_sync(0xffffffffu, a2, off);
         }
-        if (lane == 0) { bcnt[((size_t)r * NB + q) * 2] = b1; bcnt[((size_t)r * NB + q) * 2 + 1] = b2; }
+        if (lane == 0 && (a1 || a2)) { atomicAdd(&before[0], a1); atomicAdd(&before[1], a2); }
+        __syncthreads();
     }
-"""
-
-# levels (BH, K) uint8 (1 must, 2 may, 0 not); the candidates are [c0, c1). Each warp ballots its tokens' levels.
-# This block's first level-1 slot: the level-1 tokens of the blocks before it; first level-2 slot: n1 plus
-# the level-2 tokens before it.
-_SCATTER_SRC = """
-    const int r = blockIdx.y;
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    const int Tc = codes_shape[2];   // codes (B, n_kv, T): row r = b * n_kv + h
-    const int K = levels_shape[1];
-    const a2ats_step P(ipa_shape, ipb_shape);
-    int lv = 0;
-    if (j < Tc && j >= P.c0 && j < P.c1) lv = (int)levels[(size_t)r * K + (int)codes[(size_t)r * Tc + j]];
-    const unsigned b1 = __ballot_sync(0xffffffffu, lv == 1);
-    const unsigned b2 = __ballot_sync(0xffffffffu, lv == 2);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __shared__ int s1[32], s2[32];
-    if (lane == 0) { s1[warp] = __popc(b1); s2[warp] = __popc(b2); }
-    __syncthreads();
-    __shared__ int base[2];
-    if (threadIdx.x < 2) base[threadIdx.x] = 0;
-    __syncthreads();
-    int p1 = 0, p2 = 0;
-    for (int q = threadIdx.x; q < (int)blockIdx.x; q += blockDim.x) {
-        const size_t o = ((size_t)r * gridDim.x + q) * 2;
-        p1 += bcnt[o];
-        p2 += bcnt[o + 1];
-    }
-    for (int off = 16; off > 0; off >>= 1) {
-        p1 += __shfl_down_sync(0xffffffffu, p1, off);
-        p2 += __shfl_down_sync(0xffffffffu, p2, off);
-    }
-    if (lane == 0 && (p1 || p2)) { atomicAdd(&base[0], p1); atomicAdd(&base[1], p2); }
-    __syncthreads();
-    int w1 = 0, w2 = 0;
-    for (int q = 0; q < warp; ++q) { w1 += s1[q]; w2 += s2[q]; }
+    int run1 = before[0], run2 = before[1], m = 0;
     const unsigned below = (1u << lane) - 1u;
-    const int S = P.S;
-    // slots past the selection hold 0 (disjoint from the slots written below): no separate fill kernel, and no
-    // reader of idx (the portable attention gathers every slot) ever meets an index outside the cache
-    if (j >= min(nsel[r * 3] + nsel[r * 3 + 1], S) && j < S) idx[(size_t)r * S + j] = 0;
-    if (lv == 1) {
-        const int p = base[0] + w1 + __popc(b1 & below);
-        if (p < S) idx[(size_t)r * S + p] = j;
-    } else if (lv == 2) {
-        const int p = nsel[r * 3] + base[1] + w2 + __popc(b2 & below);
-        if (p < S) idx[(size_t)r * S + p] = j;
+    for (int t0 = j0; t0 < j1; t0 += NT) {
+        const int j = t0 + tid;
+        const int lv = j >= j1 ? 0 : ((j < c0 || j >= c1) ? 3 : (int)lvs[(int)crow[j]]);
+        const unsigned b1 = __ballot_sync(0xffffffffu, lv == 1), b2 = __ballot_sync(0xffffffffu, lv == 2);
+        if (lane == 0) { wc[0][warp] = __popc(b1); wc[1][warp] = __popc(b2); }
+        __syncthreads();
+        int p1 = run1 + __popc(b1 & below), p2 = run2 + __popc(b2 & below);
+        for (int q2 = 0; q2 < warp; ++q2) { p1 += wc[0][q2]; p2 += wc[1][q2]; }
+        const bool take = lv == 3 || (lv == 1 && p1 < S) || (lv == 2 && n1 + p2 < S);
+        const unsigned bt = __ballot_sync(0xffffffffu, take);
+        if (lane == 0) wc[2][warp] = __popc(bt);
+        __syncthreads();
+        int pt = m + __popc(bt & below);
+        for (int q2 = 0; q2 < warp; ++q2) pt += wc[2][q2];
+        if (take) tok[pt] = j;
+        for (int q2 = 0; q2 < NW; ++q2) { run1 += wc[0][q2]; run2 += wc[1][q2]; m += wc[2][q2]; }
+        __syncthreads();   // wc is rewritten next round; tok is read after the loop
     }
 """
 
-# q (B, n_q, 1, D) post-RoPE; keys/values (B, n_kv, T_buf, D); slot s < F is the forced token P.forced(s), slot
-# s >= F is idx[s - F]; F + min(n1 + n2, S) slots are valid. Per (row, block, head): pm max logit, pl sum,
-# pacc (D,) sum of p * V.
-_ATTEND_SRC = """
-    constexpr int DPL = D / 32;
-    const int r = blockIdx.y, c = blockIdx.x;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const a2ats_step P(ipa_shape, ipb_shape);
-    const int S = P.S, F = P.F();
-    const int nv = F + min(nsel[r * 3] + nsel[r * 3 + 1], S);
+# sel (BH, n) uint8, zeroed by MLX (init_value): 1 on every token the step attends to.
+_MASK_SRC = _SCAN_SRC + """
+    for (int i = tid; i < m; i += NT) sel[(size_t)r * n + tok[i]] = 1;
+"""
+
+# q (B, n_q, 1, D) post-RoPE; keys/values (B, n_kv, T_buf, D). A lane group of D / EPL lanes holds one row, EPL
+# elements per lane (one 8-32 byte load); a warp holds 32 / (D / EPL) rows per load and U such loads in flight.
+# Each lane group keeps its own online softmax (max, sum, EPL dims of sum p * V per head); the warp merges its
+# groups, the block its warps into a partial per (row, block, head): pm max logit, pl sum, pacc (D,) sum p * V.
+_ATTEND_SRC = _SCAN_SRC + """
+    constexpr int LPR = D / EPL, RW = 32 / LPR;
+    const int sub = lane / LPR, li = lane % LPR;
     const int Tb = keys_shape[2];
-    const float scale = P.scale;
     const float NEG = __int_as_float(0xff800000);
-    float qv[G][DPL], acc[G][DPL], m[G], l[G];
+    __shared__ float sq[G * D];
+    for (int e = tid; e < G * D; e += NT) sq[e] = a2ats_f32(q[(size_t)r * G * D + e]) * P.scale;
+    __syncthreads();
+    float acc[G][EPL], mm[G], ll[G];
     for (int g = 0; g < G; ++g) {
-        m[g] = NEG;
-        l[g] = 0.0f;
-        for (int i = 0; i < DPL; ++i) {
-            qv[g][i] = a2ats_f32(q[((size_t)r * G + g) * D + lane * DPL + i]) * scale;
-            acc[g][i] = 0.0f;
-        }
+        mm[g] = NEG;
+        ll[g] = 0.0f;
+        for (int e = 0; e < EPL; ++e) acc[g][e] = 0.0f;
     }
-    const int s0 = (c * NW + warp) * CH;
-    const int s1 = min(s0 + CH, nv);
-    for (int s = s0; s < s1; s += U) {
-        float kf[U][DPL], vf[U][DPL];
+    for (int i0 = warp * RW * U; i0 < m; i0 += NW * RW * U) {
+        a2ats_vec<T, EPL> kx[U], vx[U];
+        bool ok[U];
         for (int u = 0; u < U; ++u) {
-            const int ss = s + u;
-            const int tok = ss >= s1 ? 0 : (ss < F ? P.forced(ss) : idx[(size_t)r * S + ss - F]);
-            const size_t row = ((size_t)r * Tb + (size_t)tok) * D + lane * DPL;
-            const a2ats_vec<T, DPL> kx = *reinterpret_cast<const a2ats_vec<T, DPL>*>(keys + row);
-            const a2ats_vec<T, DPL> vx = *reinterpret_cast<const a2ats_vec<T, DPL>*>(values + row);
-            for (int i = 0; i < DPL; ++i) { kf[u][i] = a2ats_f32(kx.v[i]); vf[u][i] = a2ats_f32(vx.v[i]); }
+            const int i = i0 + u * RW + sub;
+            ok[u] = i < m;
+            const size_t row = ((size_t)r * Tb + (size_t)tok[ok[u] ? i : i0]) * D + li * EPL;
+            kx[u] = *reinterpret_cast<const a2ats_vec<T, EPL>*>(keys + row);
+            vx[u] = *reinterpret_cast<const a2ats_vec<T, EPL>*>(values + row);
         }
-        for (int u = 0; u < U && s + u < s1; ++u) {
+        float p[U][G];
+        for (int u = 0; u < U; ++u) {
             for (int g = 0; g < G; ++g) {
-                float dot = 0.0f;
-                for (int i = 0; i < DPL; ++i) dot += qv[g][i] * kf[u][i];
-                for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-                const float mn = fmaxf(m[g], dot);
-                const float corr = expf(m[g] - mn);
-                const float p = expf(dot - mn);
-                l[g] = l[g] * corr + p;
-                for (int i = 0; i < DPL; ++i) acc[g][i] = acc[g][i] * corr + p * vf[u][i];
-                m[g] = mn;
+                float s = 0.0f;
+                for (int e = 0; e < EPL; ++e) s = fmaf(sq[g * D + li * EPL + e], a2ats_f32(kx[u].v[e]), s);
+                for (int off = LPR / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+                p[u][g] = ok[u] ? s : NEG;
+            }
+        }
+        float corr[G];
+        for (int g = 0; g < G; ++g) {
+            float top = mm[g];
+            for (int u = 0; u < U; ++u) top = fmaxf(top, p[u][g]);
+            corr[g] = top > NEG ? expf(mm[g] - top) : 1.0f;
+            float ps = 0.0f;
+            for (int u = 0; u < U; ++u) {
+                p[u][g] = top > NEG ? expf(p[u][g] - top) : 0.0f;
+                ps += p[u][g];
+            }
+            ll[g] = ll[g] * corr[g] + ps;
+            mm[g] = top;
+        }
+        for (int g = 0; g < G; ++g)
+            for (int e = 0; e < EPL; ++e) acc[g][e] *= corr[g];
+        for (int u = 0; u < U; ++u) {
+            for (int e = 0; e < EPL; ++e) {
+                const float v = a2ats_f32(vx[u].v[e]);
+                for (int g = 0; g < G; ++g) acc[g][e] = fmaf(p[u][g], v, acc[g][e]);
             }
         }
     }
-    __shared__ float sm[NW * G], sl[NW * G], sacc[NW * G * D];
-    for (int g = 0; g < G; ++g) {
-        if (lane == 0) { sm[warp * G + g] = m[g]; sl[warp * G + g] = l[g]; }
-        for (int i = 0; i < DPL; ++i) sacc[(warp * G + g) * D + lane * DPL + i] = acc[g][i];
+    // the warp's RW lane groups, merged pairwise (xor over the group index)
+    for (int off = LPR; off < 32; off <<= 1) {
+        for (int g = 0; g < G; ++g) {
+            const float mo = __shfl_xor_sync(0xffffffffu, mm[g], off), lo = __shfl_xor_sync(0xffffffffu, ll[g], off);
+            const float M = fmaxf(mm[g], mo);
+            const float fa = M > NEG ? expf(mm[g] - M) : 0.0f, fb = M > NEG ? expf(mo - M) : 0.0f;
+            ll[g] = ll[g] * fa + lo * fb;
+            for (int e = 0; e < EPL; ++e) {
+                const float ao = __shfl_xor_sync(0xffffffffu, acc[g][e], off);
+                acc[g][e] = acc[g][e] * fa + ao * fb;
+            }
+            mm[g] = M;
+        }
+    }
+    __syncthreads();   // every warp is done with tok: its bytes take the warps' partials
+    float* sm = reinterpret_cast<float*>(a2ats_smem);
+    float* sl = sm + NW * G;
+    float* sacc = sl + NW * G;
+    if (sub == 0) {
+        for (int g = 0; g < G; ++g) {
+            if (li == 0) { sm[warp * G + g] = mm[g]; sl[warp * G + g] = ll[g]; }
+            for (int e = 0; e < EPL; ++e) sacc[(warp * G + g) * D + li * EPL + e] = acc[g][e];
+        }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
+    for (int e = tid; e < G * D; e += NT) {
         const int g = e / D, dd = e - g * D;
         float M = NEG;
         for (int q2 = 0; q2 < NW; ++q2) M = fmaxf(M, sm[q2 * G + g]);
@@ -375,21 +400,21 @@ _ATTEND_SRC = """
         pacc[o * D + dd] = A;
         if (dd == 0) { pm[o] = M; pl[o] = Ls; }
     }
-    // The row's last block to finish merges every block's partials into out (what a separate kernel did, one
-    // launch fewer): a ticket per row, zeroed by the levels kernel in nsel's third column, counts the finished
-    // blocks; the fence makes each block's partials visible before its ticket, and the merge reads them from L2.
+    // The row's last block to finish merges every block's partials into out: a ticket per row, zeroed by the
+    // select kernel in nsel's third column, counts the finished blocks; the fence makes each block's partials
+    // visible before its ticket, and the merge reads them from L2.
     __threadfence();
     __syncthreads();
     __shared__ int last;
-    if (threadIdx.x == 0) last = atomicAdd(const_cast<int*>(nsel) + r * 3 + 2, 1) == (int)gridDim.x - 1;
+    if (tid == 0) last = atomicAdd(const_cast<int*>(nsel) + r * 3 + 2, 1) == (int)gridDim.x - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
     // every other block has taken its ticket: reset it, so a second attend over the same nsel merges too
-    if (threadIdx.x == 0) const_cast<int*>(nsel)[r * 3 + 2] = 0;
-    // One block merges NC partials (hundreds at long contexts), so the work is spread over the whole block: warps
-    // find each head's max and sum over the blocks, then tiles of the blocks' weights go to shared memory and every
-    // thread sums its (head, dim) outputs over a tile with independent loads in flight.
+    if (tid == 0) const_cast<int*>(nsel)[r * 3 + 2] = 0;
+    // One block merges NC partials (over a hundred at long contexts), so the work is spread over the whole block:
+    // warps find each head's max and sum over the blocks, then tiles of the blocks' weights go to shared memory
+    // and every thread sums its (head, dim) outputs over a tile with independent loads in flight.
     const int NC = gridDim.x;
     const size_t base = (size_t)r * NC;
     constexpr int TILE = 1024 / G;
@@ -405,20 +430,20 @@ _ATTEND_SRC = """
         for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
         if (lane == 0) { Mg[g] = M; Lg[g] = L; }
     }
-    constexpr int PER_T = (G * D + NW * 32 - 1) / (NW * 32);   // outputs per thread
+    constexpr int PER_T = (G * D + NT - 1) / NT;   // outputs per thread
     float A[PER_T];
     for (int i = 0; i < PER_T; ++i) A[i] = 0.0f;
     for (int t0 = 0; t0 < NC; t0 += TILE) {
         const int nt_ = min(TILE, NC - t0);
         __syncthreads();   // Mg/Lg written (first tile), the previous tile's weights read
-        for (int e = threadIdx.x; e < nt_ * G; e += blockDim.x) {
+        for (int e = tid; e < nt_ * G; e += NT) {
             const int g = e % G;
             const float mc = __ldcg(pm + (base + t0) * G + e);
             wt[e] = mc > NEG ? expf(mc - Mg[g]) : 0.0f;
         }
         __syncthreads();
         for (int i = 0; i < PER_T; ++i) {
-            const int e = threadIdx.x + i * NW * 32;
+            const int e = tid + i * NT;
             if (e < G * D) {
                 const int g = e / D, dd = e - g * D;
                 const float* src = pacc + ((base + t0) * G + g) * D + dd;
@@ -430,7 +455,7 @@ _ATTEND_SRC = """
         }
     }
     for (int i = 0; i < PER_T; ++i) {
-        const int e = threadIdx.x + i * NW * 32;
+        const int e = tid + i * NT;
         if (e < G * D) {
             const int g = e / D, dd = e - g * D;
             out[((size_t)r * G + g) * D + dd] = static_cast<T>(A[i] / Lg[g]);
@@ -450,33 +475,61 @@ def _cuda_backend() -> bool:
     return bool(cuda is not None and cuda.is_available() and hasattr(mx.fast, "cuda_kernel"))
 
 
+def lane_elems(d: int, itemsize: int) -> int | None:
+    """Elements of a row each lane loads in the attend kernel (EPL): a power of two, at most 16 bytes where a row
+    spans 2 or more lanes groups per warp, 32 where one row takes the whole warp; None if d splits no such way."""
+    for rows in (4, 2, 1):   # rows one warp load covers
+        lanes = 32 // rows
+        epl = d // lanes
+        if d % lanes == 0 and epl & (epl - 1) == 0 and epl * itemsize <= (16 if rows > 1 else 32):
+            return epl
+    return None
+
+
 @lru_cache(maxsize=None)
 def shapes_supported(G: int, d: int, dv: int, K: int = 4096) -> bool:
-    """The kernels hold d/32 dims per lane, one warp per query head of a group in the radix select, the code
-    counts, their levels and G 256-bin histograms in one block's shared memory, the rotated queries and angles
-    in the LUT's, and per-warp partials plus a 1,024-weight merge tile in the attention's."""
-    return (d == dv and d % 32 == 0 and 1 <= G <= 32 and G * d <= 4096
-            and 5 * K + 4 * 256 * G + 16 * G + 64 <= _SHARED_LIMIT
-            and 4 * WARPS * G * (d + 2) + 4 * 1024 + 8 * G + 16 <= _SHARED_LIMIT and 4 * G * d + 8 * d <= _SHARED_LIMIT)
+    """What the kernels hold: the rotated queries, angles, code counts and G 256-bin histograms in the select
+    block's shared memory; the code levels, a chunk's token list, the scaled queries, per-warp partials and a
+    1,024-weight merge tile in the attend block's; a row split over lanes in 8-32 byte loads for 2- and 4-byte
+    dtypes (d a power of two from 32); G * EPL accumulators per lane."""
+    epl = [lane_elems(d, s) for s in (2, 4)]
+    return (d == dv and None not in epl and 1 <= G <= 32 and G * max(epl) <= 64
+            and 4 * G * d + 8 * d + 4 * K + 4 * 256 * G + 16 * G + 16 <= _SHARED_LIMIT
+            and _scan_smem(K, G, d) + 12 * WARPS + 8 + 4 * G * d + 8 * G + 4 * 1024 + 4 <= _SHARED_LIMIT)
+
+
+def _scan_smem(K: int, G: int = 0, d: int = 0) -> int:
+    """Bytes of the attend/mask kernels' shared buffer (SMEM): the code levels and a chunk's token list, which
+    the attend kernel then reuses for its warps' partials (max and sum per head, D sums per head)."""
+    return max(-(-K // 16) * 16 + 4 * CHUNK_MAX, 4 * WARPS * G * (d + 2))
 
 
 @lru_cache(maxsize=None)
 def _kernels():
     ck = mx.fast.cuda_kernel
     return {
-        "lut": ck(name="a2ats_lut", input_names=["q", "CT", "inv", "tc", "ts", "ipa", "ipb"], output_names=["lut"],
-                  source=_LUT_SRC, header=_HEADER),
-        "levels": ck(name="a2ats_levels", input_names=["lut", "counts", "codes", "ipa", "ipb"],
-                     output_names=["levels", "nsel", "bcnt"], source=_LEVELS_SRC, header=_HEADER),
-        "scatter": ck(name="a2ats_scatter", input_names=["codes", "levels", "ipa", "ipb", "bcnt", "nsel"],
-                      output_names=["idx"], source=_SCATTER_SRC, header=_HEADER),
-        "attend": ck(name="a2ats_attend", input_names=["q", "keys", "values", "idx", "nsel", "ipa", "ipb"],
+        "select": ck(name="a2ats_select",
+                     input_names=["q", "CT", "inv", "tc", "ts", "counts", "codes", "ipa", "ipb"],
+                     output_names=["lut", "levels", "nsel"], source=_SELECT_SRC, header=_HEADER),
+        "attend": ck(name="a2ats_attend", input_names=["q", "keys", "values", "codes", "levels", "nsel", "ipa", "ipb"],
                      output_names=["pm", "pl", "pacc", "out"], source=_ATTEND_SRC, header=_HEADER),
+        "mask": ck(name="a2ats_mask", input_names=["codes", "levels", "nsel", "ipa", "ipb"], output_names=["sel"],
+                   source=_MASK_SRC, header=_HEADER),
     }
 
 
+def chunk_for(n: int, BH: int) -> int:
+    """Tokens per attend block: the power of two from WARPS * 32 to CHUNK_MAX that gives about TARGET_BLOCKS
+    blocks for n tokens in BH rows (longer chunks mean fewer partials to merge, shorter ones more blocks to fill
+    the GPU with)."""
+    chunk = WARPS * 32
+    while chunk < CHUNK_MAX and -(-n // chunk) * BH > TARGET_BLOCKS:
+        chunk *= 2
+    return chunk
+
+
 def step_params(*, kk: int, c0: int, c1: int, counted: int, S: int, kept: bool, n: int, sinks: int, w: int,
-                b: float, query_pos: float, scale: float):
+                b: float, query_pos: float, scale: float, chunk: int):
     """The per-step numbers as the kernels read them (a2ats_step): the shapes of two empty int32 arrays, the leading
     0 keeping them empty, and (b, query position, scale) as float32 bits.
 
@@ -487,84 +540,90 @@ def step_params(*, kk: int, c0: int, c1: int, counted: int, S: int, kept: bool, 
     bits = struct.unpack("3i", struct.pack("3f", b, query_pos, scale))
     if min(bits) < 0:
         raise ValueError(f"b, query_pos and scale must be >= 0, got {b}, {query_pos}, {scale}")
+    if chunk % (WARPS * 32) or not WARPS * 32 <= chunk <= CHUNK_MAX:
+        raise ValueError(f"chunk must be a multiple of {WARPS * 32} up to {CHUNK_MAX}, got {chunk}")
     empty = mx.array([], dtype=mx.int32)
-    return (empty.reshape(0, kk, c0, c1, counted, S, int(kept), n), empty.reshape(0, sinks, w, *bits))
+    return (empty.reshape(0, kk, c0, c1, counted, S, int(kept), n), empty.reshape(0, sinks, w, *bits, chunk))
 
 
-def lut(queries, CT, inv, ip, *, traditional: bool, applied_angle=None) -> mx.array:
-    """(B·n_kv, G, K) float32: scale · q R_{b - applied} · C per code (kernel 1)."""
+def select(queries, CT, inv, counts, codes, ip, *, traditional: bool, applied_angle=None):
+    """(lut (BH, G, K) float32, levels (BH, K) uint8, nsel (BH, 3) int32) (kernel 1): scale · q R_{b - applied} · C
+    per code; each code's level; the level-1 and level-2 token counts and, zeroed, the attend kernel's ticket.
+    counts (B, n_kv, K) and codes (B, n_kv, T) as the cache holds them (no reshape: every op is host time on every
+    step)."""
     B, n_q, _, d = queries.shape
     n_kv, K = CT.shape[0], CT.shape[-1]
     G, BH = n_q // n_kv, B * n_kv
     tables = applied_angle is not None
     tc, ts = applied_angle if tables else (inv, inv)
-    (out,) = _kernels()["lut"](
-        inputs=[queries, CT, inv, tc, ts, *ip], output_shapes=[(BH, G, K)], output_dtypes=[mx.float32],
-        grid=(-(-K // LUT_THREADS) * LUT_THREADS, BH, 1), threadgroup=(LUT_THREADS, 1, 1),
+    return _kernels()["select"](
+        inputs=[queries, CT, inv, tc, ts, counts, codes, *ip], output_shapes=[(BH, G, K), (BH, K), (BH, 3)],
+        output_dtypes=[mx.float32, mx.uint8, mx.int32], grid=(SELECT_THREADS, BH, 1),
+        threadgroup=(SELECT_THREADS, 1, 1),
         template=[("T", queries.dtype), ("G", G), ("D", d), ("NKV", n_kv), ("TRAD", int(traditional)),
-                  ("TABLES", int(tables))])
-    return out
+                  ("TABLES", int(tables)), ("KS", K), ("CodeT", codes.dtype)])
 
 
-def levels(lut_, counts, codes, ip):
-    """(levels (BH, K) uint8, nsel (BH, 3) int32, bcnt (BH, NB, 2) int32) (kernel 2). nsel holds the level-1 and
-    level-2 token counts and, zeroed here, the attention's ticket; bcnt the level-1/level-2 tokens of each block of
-    BLOCK tokens, for the scatter. counts (B, n_kv, K) and codes (B, n_kv, T) as the cache holds them (no reshape:
-    every op is host time on every step)."""
-    BH, G, K = lut_.shape
-    NB = -(-codes.shape[-1] // BLOCK)
-    return _kernels()["levels"](
-        inputs=[lut_, counts, codes, *ip], output_shapes=[(BH, K), (BH, 3), (BH, NB, 2)],
-        output_dtypes=[mx.uint8, mx.int32, mx.int32], grid=(BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1),
-        template=[("G", G), ("KS", K), ("CodeT", codes.dtype)])
-
-
-def compact(lv, nsel, bcnt, codes, ip, S: int):
-    """idx (BH, S) int32: the selected candidates, level 1 first, each level in index order (kernel 3).
-
-    Slots past the selection hold 0 (written by the scatter kernel itself; keep is False there)."""
-    BH, T_codes = lv.shape[0], codes.shape[-1]
-    NB = -(-T_codes // BLOCK)
-    (idx,) = _kernels()["scatter"](inputs=[codes, lv, *ip, bcnt, nsel], output_shapes=[(BH, S)], output_dtypes=[mx.int32],
-                                   grid=(NB * BLOCK, BH, 1), threadgroup=(BLOCK, 1, 1), template=[("CodeT", codes.dtype)])
-    return idx
-
-
-def attend(queries, keys, values, idx, nsel, ip, F: int) -> mx.array:
-    """Exact softmax attention over the forced tokens and the valid slots of idx, merged by each row's last block
-    (kernel 4); (B, n_q, 1, d). The blocks count themselves on the ticket in nsel's third column, which levels
-    zeroes and the last block resets."""
+def attend(queries, keys, values, codes, lv, nsel, ip, *, n: int, chunk: int) -> mx.array:
+    """Exact softmax attention over the tokens the step selects in [0, n), (B, n_q, 1, d) (kernel 2): each block
+    scans its chunk of tokens, attends to the ones it takes and leaves a partial; each row's last block merges
+    them (a ticket in nsel's third column, which select zeroes and the last block resets)."""
     B, n_q, _, d = queries.shape
     n_kv = keys.shape[1]
-    BH, G, S = B * n_kv, n_q // n_kv, idx.shape[-1]
-    per_block = WARPS * SLOTS_PER_WARP
-    NC = max(1, -(-(S + F) // per_block))
+    BH, G, K = B * n_kv, n_q // n_kv, lv.shape[-1]
+    NC = -(-n // chunk)
     *_, out = _kernels()["attend"](
-        inputs=[queries, keys, values, idx, nsel, *ip],
+        inputs=[queries, keys, values, codes, lv, nsel, *ip],
         output_shapes=[(BH, NC, G), (BH, NC, G), (BH, NC, G, d), (B, n_q, 1, d)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, values.dtype],
         grid=(NC * WARPS * 32, BH, 1), threadgroup=(WARPS * 32, 1, 1),
-        template=[("T", keys.dtype), ("G", G), ("D", d), ("NW", WARPS), ("CH", SLOTS_PER_WARP),
-                  ("U", ROWS_IN_FLIGHT)])
+        template=[("T", keys.dtype), ("G", G), ("D", d), ("KS", K), ("NW", WARPS), ("SMEM", _scan_smem(K, G, d)),
+                  ("EPL", lane_elems(d, keys.dtype.size)), ("U", ROWS_IN_FLIGHT), ("CodeT", codes.dtype)])
     return out
+
+
+def selection_mask(codes, lv, nsel, ip, *, n: int, chunk: int) -> mx.array:
+    """(BH, n) bool: the tokens attend takes, by the same scan (the mask kernel)."""
+    BH, K = lv.shape
+    (sel,) = _kernels()["mask"](
+        inputs=[codes, lv, nsel, *ip], output_shapes=[(BH, n)], output_dtypes=[mx.uint8],
+        grid=(-(-n // chunk) * WARPS * 32, BH, 1), threadgroup=(WARPS * 32, 1, 1), init_value=0,
+        template=[("KS", K), ("NW", WARPS), ("SMEM", _scan_smem(K)), ("CodeT", codes.dtype)])
+    return sel.astype(mx.bool_)
+
+
+class KernelSelection(NamedTuple):
+    """The token set one CUDA decode step attended to, kept lazily as the scan's inputs (the mask kernel runs only
+    when mask() is asked for): the counterpart of fast_decode.Selection."""
+
+    codes: mx.array
+    levels: mx.array
+    nsel: mx.array
+    ip: tuple
+    n: int
+    chunk: int
+    shape: tuple   # (B, n_kv, n_tokens), n_tokens >= n
+
+    def mask(self) -> mx.array:
+        """Bool (B, n_kv, n_tokens): True on every token the step attended to."""
+        B, n_kv, n_tokens = self.shape
+        m = selection_mask(self.codes, self.levels, self.nsel, self.ip, n=self.n, chunk=self.chunk)
+        if n_tokens > self.n:
+            m = mx.concatenate([m, mx.zeros((B * n_kv, n_tokens - self.n), dtype=mx.bool_)], axis=-1)
+        return m.reshape(B, n_kv, n_tokens)
 
 
 def decode(queries, keys, values, codes, CT, inv, *, counts, kept: bool, kk: int, c0: int, c1: int, counted: int,
            S: int, n: int, sinks: int, w: int, b: float, query_pos: float, scale: float, traditional: bool,
-           applied_angle=None):
-    """One sort-free decode step in four kernels: (out (B, n_q, 1, d), idx (BH, S), nsel (BH, 3)); keep_flags(nsel,
-    S) gives the valid slots (only built when asked for: each extra op costs host time on every step)."""
+           applied_angle=None, n_tokens: int | None = None):
+    """One sort-free decode step in two kernels: (out (B, n_q, 1, d), KernelSelection, lut (BH, G, K))."""
+    B, n_kv = queries.shape[0], CT.shape[0]
+    chunk = chunk_for(n, B * n_kv)
     ip = step_params(kk=kk, c0=c0, c1=c1, counted=counted, S=S, kept=kept, n=n, sinks=sinks, w=w, b=b,
-                     query_pos=query_pos, scale=scale)
-    table = lut(queries, CT, inv, ip, traditional=traditional, applied_angle=applied_angle)
-    lv, nsel, bcnt = levels(table, counts, codes, ip)
-    idx = compact(lv, nsel, bcnt, codes, ip, S)
-    return attend(queries, keys, values, idx, nsel, ip, c0 + n - c1), idx, nsel
-
-
-def keep_flags(nsel, S: int) -> mx.array:
-    """(BH, S) bool: which of decode's slots hold a selected token (the first nsel level-1 + level-2 ones)."""
-    return mx.arange(S, dtype=mx.int32)[None] < mx.minimum(nsel[:, 0] + nsel[:, 1], S)[:, None]
+                     query_pos=query_pos, scale=scale, chunk=chunk)
+    table, lv, nsel = select(queries, CT, inv, counts, codes, ip, traditional=traditional, applied_angle=applied_angle)
+    out = attend(queries, keys, values, codes, lv, nsel, ip, n=n, chunk=chunk)
+    return out, KernelSelection(codes, lv, nsel, ip, n, chunk, (B, n_kv, n if n_tokens is None else n_tokens)), table
 
 
 _USABLE: dict = {}
@@ -600,13 +659,15 @@ def _random_case(*, T, n_q, n_kv, d, K, dtype, seed):
 
 
 def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float32, seed: int = 0,
-                  topk=0.03, w: int = 64, sinks: int = 8, b: int = 2048, kept: bool = True) -> dict:
+                  topk=0.03, w: int = 64, sinks: int = 8, b: int = 2048, kept: bool = True, S: int | None = None) -> dict:
     """One random decode step by the kernels, part by part against the portable step and float64:
 
-    lut_rel_err: the LUT kernel against a float64 NumPy LUT (relative to its largest entry);
-    same_slots: levels + compaction against the portable selection (fast_decode._sortfree_select) given the
-    kernel's LUT: indices and keep flags exactly;
-    max_rel_err: the attention against the portable attention (fast_decode._attend_fn) over those slots.
+    lut_rel_err: the select kernel's LUT against a float64 NumPy LUT (relative to its largest entry);
+    same_selection: the tokens the kernels attend to (the mask kernel's scan) against the portable selection
+    (fast_decode._sortfree_select given the kernel's LUT, plus the forced tokens), exactly; extra and missing count
+    the tokens only the kernels take and only the portable step takes;
+    max_rel_err: the attention against the portable attention (fast_decode._attend_fn) over that selection.
+    S (default: fast_decode.sortfree_width) may be set smaller to make the slot cut bind.
     """
     from . import fast_decode as fd
     from .retrieval import topk_count
@@ -616,15 +677,14 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
     forced, c0, c1 = fd._regions(n, w, sinks)
     kk = topk_count(n, topk, c1 - c0)
     G, BH = n_q // n_kv, n_kv
-    S = fd.sortfree_width(kk, G, K, c1 - c0)
+    S = fd.sortfree_width(kk, G, K, c1 - c0) if S is None else S
     inv = mx.array(x["inv"])
     counts = fd.code_counts(x["codes"], K) if kept else mx.zeros((1, n_kv, K), dtype=mx.int32)
     scale = 1.0 / np.sqrt(d)
     step = dict(kk=kk, c0=c0, c1=c1, counted=n if kept else 0, S=S, kept=kept, n=n, sinks=sinks, w=w,
                 b=float(b), query_pos=float(n - 1), scale=float(scale))
-    out, idx, nsel = decode(x["q"], x["k"], x["v"], x["codes"], x["CT"], inv, counts=counts, traditional=False, **step)
-    keep = keep_flags(nsel, S)
-    table = lut(x["q"], x["CT"], inv, step_params(**step), traditional=False)   # the LUT decode used, on its own
+    out, sel, table = decode(x["q"], x["k"], x["v"], x["codes"], x["CT"], inv, counts=counts, traditional=False, **step)
+    mask = sel.mask()
     # float64 LUT: q de-rotated by (n - 1) * inv, rotated by b * inv, scaled, times C
     q64 = np.array(x["q"].astype(mx.float32), dtype=np.float64).reshape(n_kv, G, d)
     # EQ-12 undoes the float32 angle mlx-lm applied: the angles are float32 products, the rest float64
@@ -641,13 +701,15 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
     idx_p, keep_p = fd._sortfree_select(table, x["codes"], cand, mx.array(kk, mx.int32), mx.array(c0), mx.array(c1),
                                         mx.array(S), BH=BH, T_codes=T, S=S)
     forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
+    mask_p = fd.Selection(idx_p, keep_p, forced_idx, (1, n_kv, n)).mask()
     att = fd._attend_fn(1, n_q, n_kv, d, d, T, len(forced), (None,))
-    ref = att(x["q"], x["k"], x["v"], idx, keep, forced_idx, mx.array(scale, dtype=mx.float32))
-    mx.eval(out, idx, keep, idx_p, keep_p, ref)
-    kc, kp = np.array(keep), np.array(keep_p)
-    same = bool((kc == kp).all() and (np.array(idx)[kp] == np.array(idx_p)[kp]).all())
+    ref = att(x["q"], x["k"], x["v"], idx_p, keep_p, forced_idx, mx.array(scale, dtype=mx.float32))
+    mx.eval(out, mask, mask_p, ref, sel.nsel)
     o, r = np.array(out.astype(mx.float32)), np.array(ref.astype(mx.float32))
-    return {"lut_rel_err": lut_err, "same_slots": same, "selected": int(kp.sum()),
+    n12 = np.array(sel.nsel)[:, :2].sum(-1)
+    mk, mp = np.array(mask), np.array(mask_p)
+    return {"lut_rel_err": lut_err, "same_selection": bool(np.array_equal(mk, mp)), "selected": int(mk.sum()),
+            "extra": int((mk & ~mp).sum()), "missing": int((mp & ~mk).sum()), "cut": bool((n12 > S).any()),
             "max_rel_err": float(np.abs(o - r).max() / max(np.abs(r).max(), 1e-30)), "dtype": str(dtype), "T": T}
 
 
@@ -662,7 +724,7 @@ def _self_check(dtype, G: int, n_kv: int, d: int, K: int) -> bool:
     try:
         diff = compare_parts(T=3000, n_q=G * n_kv, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=1)
         bound = SELF_CHECK_ATTN_REL[str(dtype).rsplit(".", 1)[-1]]
-        if not (diff["same_slots"] and diff["lut_rel_err"] <= 1e-5 and diff["max_rel_err"] <= bound):
+        if not (diff["same_selection"] and diff["lut_rel_err"] <= 1e-5 and diff["max_rel_err"] <= bound):
             warnings.warn(f"a2ats_ref: the CUDA decode kernels disagree with the portable step ({diff}); "
                           "decoding uses the portable sort-free step", RuntimeWarning, stacklevel=3)
             return False

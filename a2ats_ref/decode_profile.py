@@ -13,7 +13,7 @@ No timing claims come from a profiled run: ratios come from a2ats-bench.
 
 times, interleaved in one loop, dense, the CUDA step as decode_step_fast runs it, the same with its per-step
 parameter array reused (what a fresh host array costs), and each of its kernels alone on fixed inputs (what a
-launch costs): the breakdown README's GPU section quotes.
+launch costs), with the scan alone (the mask kernel): the breakdown README's GPU section quotes.
 
     python -m a2ats_ref.decode_profile --pipelined --T 262144 --dtype float16
 
@@ -102,12 +102,11 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
     forced, c0, c1 = fast_decode._regions(T, kw["w"], kw["sinks"])
     kk = topk_count(T, kw["topk"], c1 - c0)
     S = fast_decode.sortfree_width(kk, shape["n_q"] // shape["n_kv"], K, c1 - c0)
+    chunk = cd.chunk_for(T, shape["n_kv"])
     ip = cd.step_params(kk=kk, c0=c0, c1=c1, counted=T, S=S, kept=True, n=T, sinks=kw["sinks"], w=kw["w"],
-                        b=float(kw["b"]), query_pos=float(T - 1), scale=scale)
-    tab = cd.lut(x["q"], x["CT"], inv, ip, traditional=False)
-    lv, nsel, bcnt = cd.levels(tab, counts, x["codes"], ip)
-    idx = cd.compact(lv, nsel, bcnt, x["codes"], ip, S)
-    mx.eval(ip, tab, lv, nsel, bcnt, idx)
+                        b=float(kw["b"]), query_pos=float(T - 1), scale=scale, chunk=chunk)
+    tab, lv, nsel = cd.select(x["q"], x["CT"], inv, counts, x["codes"], ip, traditional=False)
+    mx.eval(ip, tab, lv, nsel)
     step = lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method="cuda", **kw)
     real_params = cd.step_params
 
@@ -122,10 +121,10 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
         "dense": dense,
         "cuda step": step, "cuda step, parameter array reused": step_reused_params,
         "empty eval": lambda: mx.array(1.0) + 1,
-        "lut": lambda: cd.lut(x["q"], x["CT"], inv, ip, traditional=False),
-        "levels": lambda: cd.levels(tab, counts, x["codes"], ip),
-        "scatter": lambda: cd.compact(lv, nsel, bcnt, x["codes"], ip, S),
-        "attend (with its merge)": lambda: cd.attend(x["q"], x["k"], x["v"], idx, nsel, ip, len(forced)),
+        "select (LUT, levels)": lambda: cd.select(x["q"], x["CT"], inv, counts, x["codes"], ip, traditional=False),
+        "attend (scan, attention, merge)": lambda: cd.attend(x["q"], x["k"], x["v"], x["codes"], lv, nsel, ip, n=T,
+                                                             chunk=chunk),
+        "mask (the scan alone)": lambda: cd.selection_mask(x["codes"], lv, nsel, ip, n=T, chunk=chunk),
     }
     res = bench_speed.interleaved(fns, reps=reps, warmup=3)
     return {"T": T, "dtype": dtype_name, "median_ms": {k: round(v["median_ms"], 4) for k, v in res.items()}}

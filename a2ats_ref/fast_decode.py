@@ -81,7 +81,7 @@ _allocator_tuned: bool | None = None   # None: not asked yet in this process
 def auto_method(n_candidates: int, *, G: int | None = None, d: int | None = None, dv: int | None = None,
                 K: int | None = None, n_kv: int | None = None, dtype=None) -> str:
     """method="auto": on the CPU, host selection from HOST_SELECT_MIN candidates, else in-graph argpartition
-    (both tuned there); on MLX CUDA the four-kernel step (cuda_decode) when its self-check passed and the head
+    (both tuned there); on MLX CUDA the two-kernel step (cuda_decode) when its self-check passed and the head
     shape (G, d, dv, K, when given) fits it; on any other device the portable sort-free step (no CPU-tuned
     number decides a GPU path)."""
     if mx.default_device().type != mx.cpu:
@@ -697,7 +697,7 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
 
 def _decode_sortfree(queries, keys, values, codes, CT, inv, *, cuda=False, i, b, kk, c0, c1, forced, w, sinks, scale,
                      traditional, n_tokens, applied_angle, code_counts, return_mask, return_selection):
-    """decode_step_fast's method="sortfree" (one compiled call) or "cuda" (four kernels, cuda_decode), kk > 0."""
+    """decode_step_fast's method="sortfree" (one compiled call) or "cuda" (two kernels, cuda_decode), kk > 0."""
     B, n_q, _, d = queries.shape
     _, n_kv, T_buf, _ = keys.shape
     K, T_codes, n = CT.shape[-1], codes.shape[-1], i + 1
@@ -716,26 +716,24 @@ def _decode_sortfree(queries, keys, values, codes, CT, inv, *, cuda=False, i, b,
     wants_selection = return_mask or return_selection
     if cuda:
         from . import cuda_decode
-        out, idx, nsel = cuda_decode.decode(
+        out, sel, _ = cuda_decode.decode(
             queries, keys, values, codes, CT, inv.astype(f32), counts=counts.astype(i32), kept=kept, kk=kk, c0=c0,
             c1=c1, counted=counted, S=S, n=n, sinks=sinks, w=w, b=float(b), query_pos=float(i),
-            scale=scale, traditional=traditional, applied_angle=applied_angle)
-        if not wants_selection:   # the slot flags and the forced list are host ops on every step: only when asked
-            return out
-        keep = cuda_decode.keep_flags(nsel, S)
-        forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
-    else:
-        forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
-        tables = applied_angle is not None
-        pos = mx.stack(list(applied_angle)) if tables else mx.array(float(i), f32)
-        fn = _sortfree_step_fn(B, n_q, n_kv, d, values.shape[-1], K, T_buf, T_codes, S, len(forced), traditional,
-                               scale, tables, kept, sinks, w, _lanes())
-        # no empty array enters the GPU graph (MLX CUDA 0.32 mishandles them); with F = 0 the step ignores it
-        forced_in = forced_idx if len(forced) else mx.zeros((1,), dtype=i32)
-        out, idx, keep = fn(queries, keys, values, codes, CT, inv.astype(f32), mx.array(float(b), f32), pos,
-                            counts.astype(i32), mx.array(kk, i32), mx.array(c0, i32), mx.array(c1, i32),
-                            mx.array(counted, i32), mx.array(S, i32), forced_in, mx.array(scale, dtype=f32))
+            scale=scale, traditional=traditional, applied_angle=applied_angle, n_tokens=n_tokens)
         if not wants_selection:
             return out
+        return out, (sel if return_selection else sel.mask())   # the mask kernel runs only if mask() is asked for
+    forced_idx = mx.array(np.asarray(forced, dtype=np.int32))
+    tables = applied_angle is not None
+    pos = mx.stack(list(applied_angle)) if tables else mx.array(float(i), f32)
+    fn = _sortfree_step_fn(B, n_q, n_kv, d, values.shape[-1], K, T_buf, T_codes, S, len(forced), traditional,
+                           scale, tables, kept, sinks, w, _lanes())
+    # no empty array enters the GPU graph (MLX CUDA 0.32 mishandles them); with F = 0 the step ignores it
+    forced_in = forced_idx if len(forced) else mx.zeros((1,), dtype=i32)
+    out, idx, keep = fn(queries, keys, values, codes, CT, inv.astype(f32), mx.array(float(b), f32), pos,
+                        counts.astype(i32), mx.array(kk, i32), mx.array(c0, i32), mx.array(c1, i32),
+                        mx.array(counted, i32), mx.array(S, i32), forced_in, mx.array(scale, dtype=f32))
+    if not wants_selection:
+        return out
     sel = Selection(idx, keep, forced_idx, (B, n_kv, n_tokens))
     return out, (sel if return_selection else sel.mask())

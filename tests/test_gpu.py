@@ -173,8 +173,11 @@ def test_cuda_method_is_refused_off_cuda_with_what_to_use_instead():
 
 
 def test_cuda_kernel_shapes_fit_the_block():
-    # d/32 dims per lane and per-warp partials in static shared memory: 8B (G 4, d 128) and SmolLM2 (3, 64) fit
+    # rows in 8-32 byte lane loads and per-warp partials in static shared memory: 8B (G 4, d 128), SmolLM2 (3, 64)
+    # and 70B-like groups (8, 128) fit
     assert cuda_decode.shapes_supported(4, 128, 128) and cuda_decode.shapes_supported(3, 64, 64)
+    assert cuda_decode.shapes_supported(8, 128, 128) and cuda_decode.shapes_supported(7, 128, 128)
+    assert not cuda_decode.shapes_supported(4, 96, 96)      # 3 elements per lane: no aligned vector load
     assert not cuda_decode.shapes_supported(4, 128, 128, K=16384)   # code counts over the shared-memory budget
     assert not cuda_decode.shapes_supported(4, 80, 80)      # not a multiple of 32
     assert not cuda_decode.shapes_supported(4, 128, 64)     # dv != d
@@ -183,38 +186,52 @@ def test_cuda_kernel_shapes_fit_the_block():
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend (the kernels are CUDA source)")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("T,n_q,n_kv,d,K,kept", [(5000, 32, 8, 128, 256, True), (70000, 9, 3, 64, 4096, True),
-                                                 (1500, 4, 4, 32, 8, True), (3000, 6, 3, 64, 64, False)])
-def test_cuda_step_parts_match_the_portable_step(dtype, T, n_q, n_kv, d, K, kept):
-    # The LUT kernel against float64; levels + compaction against the portable selection given that LUT, slots
-    # exactly (indices and keep flags, ties included: K = 8 makes huge tie buckets); the attention against the
-    # portable attention over those slots. A kernel that loses a ballot prefix, a block offset, a radix digit
-    # or a tie shows here.
-    diff = cuda_decode.compare_parts(T=T, n_q=n_q, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=T, kept=kept)
+@pytest.mark.parametrize("T,n_q,n_kv,d,K,kept,S", [(5000, 32, 8, 128, 256, True, None), (70000, 9, 3, 64, 4096, True, None),
+                                                   (1500, 4, 4, 32, 8, True, None), (3000, 6, 3, 64, 64, False, None),
+                                                   (5000, 32, 8, 128, 256, True, 256), (1500, 4, 4, 32, 8, True, 60)])
+def test_cuda_step_parts_match_the_portable_step(dtype, T, n_q, n_kv, d, K, kept, S):
+    # The select kernel's LUT against float64; the set the attend kernel's scan takes against the portable
+    # selection given that LUT, exactly (ties included: K = 8 makes huge tie buckets; a small S makes the slot cut
+    # bind, level 1 at S = 256 and level-2 ties at S = 60); the attention against the portable attention over that
+    # set. A kernel that loses a ballot prefix, a chunk's rank, a radix digit or a tie shows here.
+    diff = cuda_decode.compare_parts(T=T, n_q=n_q, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=T, kept=kept, S=S)
     assert diff["lut_rel_err"] <= 1e-5, diff
-    assert diff["same_slots"], diff
+    assert diff["same_selection"], diff
+    assert diff["cut"] == (S is not None), diff
     assert diff["max_rel_err"] <= (1e-5 if dtype == mx.float32 else 1e-2), diff
 
 
 def test_step_params_layout_is_what_the_kernels_read():
     # the kernels read the step from two empty arrays' shapes (a2ats_step): a[1..7] = kk, c0, c1, counted, S, kept, n
-    # and z[1..5] = sinks, w, then (b, query position, scale) as float32 bits; a host/kernel mismatch here would
+    # and z[1..6] = sinks, w, (b, query position, scale) as float32 bits, chunk; a host/kernel mismatch here would
     # decode silently wrong, and an array with data would hand the GPU a host-written page on every step
     a, z = cuda_decode.step_params(kk=5, c0=8, c1=100, counted=164, S=256, kept=True, n=164, sinks=8, w=64,
-                                   b=2048.0, query_pos=163.0, scale=0.125)
+                                   b=2048.0, query_pos=163.0, scale=0.125, chunk=512)
     assert a.size == z.size == 0 and a.dtype == z.dtype == mx.int32
-    assert a.shape == (0, 5, 8, 100, 164, 256, 1, 164) and z.shape[:3] == (0, 8, 64)
-    assert np.array(z.shape[3:], dtype=np.int32).view(np.float32).tolist() == [2048.0, 163.0, 0.125]
+    assert a.shape == (0, 5, 8, 100, 164, 256, 1, 164) and z.shape[:3] == (0, 8, 64) and z.shape[6] == 512
+    assert np.array(z.shape[3:6], dtype=np.int32).view(np.float32).tolist() == [2048.0, 163.0, 0.125]
     assert max(a.ndim, z.ndim) <= 8   # MLX CUDA passes at most MAX_NDIM = 8 dims of a shape
     for field, at in (("kk", "a[1]"), ("c0", "a[2]"), ("c1", "a[3]"), ("counted", "a[4]"), ("S", "a[5]"),
-                      ("kept", "a[6]"), ("n", "a[7]"), ("sinks", "z[1]"), ("w", "z[2]"), ("b", "z[3]"),
-                      ("qpos", "z[4]"), ("scale", "z[5]")):
+                      ("kept", "a[6]"), ("n", "a[7]"), ("sinks", "z[1]"), ("w", "z[2]"), ("chunk", "z[6]"),
+                      ("b", "z[3]"), ("qpos", "z[4]"), ("scale", "z[5]")):
         assert f"{field}(" in cuda_decode._HEADER and at in cuda_decode._HEADER.split(f"{field}(")[1][:30], field
-    for src in (cuda_decode._LUT_SRC, cuda_decode._LEVELS_SRC, cuda_decode._SCATTER_SRC, cuda_decode._ATTEND_SRC):
+    for src in (cuda_decode._SELECT_SRC, cuda_decode._SCAN_SRC):
         assert "a2ats_step P(ipa_shape, ipb_shape)" in src   # MLX passes a shape only when the source names it
+    kw = dict(kk=5, c0=8, c1=100, counted=164, S=256, kept=True, n=164, sinks=8, w=64, b=2048.0, query_pos=163.0,
+              scale=0.125, chunk=512)
     with pytest.raises(ValueError, match="must be >= 0"):
-        cuda_decode.step_params(kk=5, c0=8, c1=100, counted=164, S=256, kept=True, n=164, sinks=8, w=64, b=-1.0,
-                                query_pos=163.0, scale=0.125)
+        cuda_decode.step_params(**{**kw, "b": -1.0})
+    with pytest.raises(ValueError, match="chunk must be a multiple of 256 up to 2048"):
+        cuda_decode.step_params(**{**kw, "chunk": 300})
+
+
+def test_chunks_fill_the_gpu_and_stay_in_the_shared_token_list():
+    # ~TARGET_BLOCKS attend blocks at long contexts, one token list of CHUNK_MAX at most, and never below a round
+    # of the block's threads
+    assert cuda_decode.chunk_for(262144, 8) == 2048 and -(-262144 // 2048) * 8 == cuda_decode.TARGET_BLOCKS
+    assert cuda_decode.chunk_for(10**7, 8) == cuda_decode.CHUNK_MAX
+    assert cuda_decode.chunk_for(16384, 8) == 256 and cuda_decode.chunk_for(10, 1) == cuda_decode.WARPS * 32
+    assert cuda_decode.chunk_for(65536, 8) == 512
 
 
 def test_self_check_bound_covers_each_dtype_rounding():
@@ -257,7 +274,8 @@ def test_decode_profile_parts_times_the_cuda_step_or_says_where_it_runs():
             decode_profile.parts(1024, "float32")
         return
     got = decode_profile.parts(1024, "float16", reps=3)["median_ms"]
-    assert set(got) >= {"dense", "cuda step", "cuda step, parameter array reused", "lut", "scatter", "attend (with its merge)"}
+    assert set(got) >= {"dense", "cuda step", "cuda step, parameter array reused", "select (LUT, levels)",
+                        "attend (scan, attention, merge)", "mask (the scan alone)"}
     assert all(v > 0 for v in got.values()), got
 
 
