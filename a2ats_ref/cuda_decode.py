@@ -77,6 +77,27 @@ struct a2ats_step {
         : kk(a[1]), c0(a[2]), c1(a[3]), counted(a[4]), S(a[5]), kept(a[6]), n(a[7]), sinks(z[1]), w(z[2]),
           chunk(z[6]), b(__int_as_float(z[3])), qpos(__int_as_float(z[4])), scale(__int_as_float(z[5])) {}
 };
+// exclusive prefix sum of v over the block's threads in thread order, and the block's total (ws: NW ints). The
+// closing barrier lets the caller reuse ws and read what other threads wrote before the call.
+template <int NW> __device__ inline int a2ats_block_scan(int v, int* ws, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int incl = v;
+    for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += y;
+    }
+    if (lane == 31) ws[warp] = incl;
+    __syncthreads();
+    int below = 0;
+    total = 0;
+    for (int q = 0; q < NW; ++q) {
+        const int t = ws[q];
+        below += q < warp ? t : 0;
+        total += t;
+    }
+    __syncthreads();
+    return below + incl - v;
+}
 // order-preserving key of a float (larger float, larger key); -0 and +0 share one key, as they compare equal
 __device__ inline unsigned a2ats_key(float f) {
     const unsigned u = __float_as_uint(f == 0.0f ? 0.0f : f);
@@ -175,13 +196,20 @@ _SELECT_SRC = """
         const unsigned himask = pass == 0 ? 0u : (0xffffffffu << (shift + 8));
         for (int e = tid; e < G * 256; e += nt) hist[e] = 0;
         __syncthreads();
-        for (int c = tid; c < KS; c += nt) {
-            const int n = cnt[c];
-            if (n > 0) {
-                for (int g = 0; g < G; ++g) {
+        // the scores share few leading bytes (pass 0 is mostly sign and exponent), so lanes of a warp that hit the
+        // same bin add their counts first and one of them updates the bin: far fewer colliding shared atomics
+        for (int cb = 0; cb < KS; cb += nt) {   // the same trip count in every thread: whole warps below
+            const int c = cb + tid;
+            const int n = c < KS ? cnt[c] : 0;
+            for (int g = 0; g < G; ++g) {
+                int bin = -1;
+                if (n > 0) {
                     const unsigned key = a2ats_key(lrow[(size_t)g * KS + c]);
-                    if (((key ^ pre[g]) & himask) == 0u) atomicAdd(&hist[g * 256 + ((key >> shift) & 255u)], n);
+                    if (((key ^ pre[g]) & himask) == 0u) bin = g * 256 + (int)((key >> shift) & 255u);
                 }
+                const unsigned peers = __match_any_sync(0xffffffffu, bin);
+                const unsigned sum = __reduce_add_sync(peers, (unsigned)n);
+                if (bin >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (int)sum);
             }
         }
         __syncthreads();
@@ -243,8 +271,8 @@ _SELECT_SRC = """
 # if n1 plus the level-2 tokens before it are fewer than S (the portable step's slot order: level 1 first, each
 # level in index order); the sinks and the window are always taken.
 _SCAN_SRC = """
-    constexpr int NT = NW * 32;
-    const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    constexpr int NT = NW * 32, EMAX = A2ATS_CHUNK_MAX / NT;
+    const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
     const a2ats_step P(ipa_shape, ipb_shape);
     const int n = P.n, c0 = P.c0, c1 = P.c1, S = P.S;
     const int Tc = codes_shape[2];
@@ -254,45 +282,61 @@ _SCAN_SRC = """
     __shared__ __align__(16) unsigned char a2ats_smem[SMEM];
     unsigned char* lvs = a2ats_smem;
     int* tok = reinterpret_cast<int*>(a2ats_smem + (KS + 15) / 16 * 16);
-    __shared__ int wc[3][NW], before[2];
+    __shared__ int ws[NW], before[2];
     for (int k = tid; k < KS; k += NT) lvs[k] = levels[(size_t)r * KS + k];
     if (tid < 2) before[tid] = 0;
     const int j0 = c * P.chunk, j1 = min(j0 + P.chunk, n);
+    // each thread E consecutive tokens, their codes loaded at once (one round of memory latency per block)
+    const int E = P.chunk / NT, jt = j0 + tid * E;
+    int cd[EMAX];
+#pragma unroll
+    for (int e = 0; e < EMAX; ++e) {
+        const int j = jt + e;
+        cd[e] = (e < E && j < j1 && j >= c0 && j < c1) ? (int)crow[j] : -1;
+    }
+    const bool cut = n1 + n2 > S;
     __syncthreads();
-    if (n1 + n2 > S) {   // the cut binds: rank this chunk's tokens among all candidates (O(T) per block, rare)
+    int lv[EMAX], k1 = 0, k2 = 0;
+#pragma unroll
+    for (int e = 0; e < EMAX; ++e) {
+        const int j = jt + e;
+        lv[e] = cd[e] >= 0 ? (int)lvs[cd[e]] : ((e < E && j < j1) ? 3 : 0);
+        k1 += lv[e] == 1;
+        k2 += lv[e] == 2;
+    }
+    int r1 = 0, r2 = 0;   // the level-1 and level-2 candidates before this thread's first token
+    if (cut) {   // the S-slot cut binds: rank among all candidates, those before the chunk too (O(T) per block)
         int a1 = 0, a2 = 0;
         for (int j = c0 + tid; j < min(j0, c1); j += NT) {
-            const int lv = lvs[(int)crow[j]];
-            a1 += lv == 1;
-            a2 += lv == 2;
+            const int l = lvs[(int)crow[j]];
+            a1 += l == 1;
+            a2 += l == 2;
         }
         for (int off = 16; off > 0; off >>= 1) {
             a1 += __shfl_down_sync(0xffffffffu, a1, off);
             a2 += __shfl_down_sync(0xffffffffu, a2, off);
         }
         if (lane == 0 && (a1 || a2)) { atomicAdd(&before[0], a1); atomicAdd(&before[1], a2); }
-        __syncthreads();
+        int total;
+        const int ex = a2ats_block_scan<NW>((k1 << 16) | k2, ws, total);   // counts <= A2ATS_CHUNK_MAX < 2^16
+        r1 = before[0] + (ex >> 16);
+        r2 = before[1] + (ex & 0xffff);
     }
-    int run1 = before[0], run2 = before[1], m = 0;
-    const unsigned below = (1u << lane) - 1u;
-    for (int t0 = j0; t0 < j1; t0 += NT) {
-        const int j = t0 + tid;
-        const int lv = j >= j1 ? 0 : ((j < c0 || j >= c1) ? 3 : (int)lvs[(int)crow[j]]);
-        const unsigned b1 = __ballot_sync(0xffffffffu, lv == 1), b2 = __ballot_sync(0xffffffffu, lv == 2);
-        if (lane == 0) { wc[0][warp] = __popc(b1); wc[1][warp] = __popc(b2); }
-        __syncthreads();
-        int p1 = run1 + __popc(b1 & below), p2 = run2 + __popc(b2 & below);
-        for (int q2 = 0; q2 < warp; ++q2) { p1 += wc[0][q2]; p2 += wc[1][q2]; }
-        const bool take = lv == 3 || (lv == 1 && p1 < S) || (lv == 2 && n1 + p2 < S);
-        const unsigned bt = __ballot_sync(0xffffffffu, take);
-        if (lane == 0) wc[2][warp] = __popc(bt);
-        __syncthreads();
-        int pt = m + __popc(bt & below);
-        for (int q2 = 0; q2 < warp; ++q2) pt += wc[2][q2];
-        if (take) tok[pt] = j;
-        for (int q2 = 0; q2 < NW; ++q2) { run1 += wc[0][q2]; run2 += wc[1][q2]; m += wc[2][q2]; }
-        __syncthreads();   // wc is rewritten next round; tok is read after the loop
+    int kt = 0;
+#pragma unroll
+    for (int e = 0; e < EMAX; ++e) {
+        const bool take = lv[e] == 3 || (lv[e] == 1 && r1 < S) || (lv[e] == 2 && n1 + r2 < S);
+        r1 += lv[e] == 1;
+        r2 += lv[e] == 2;
+        lv[e] = take;
+        kt += take;
     }
+    int m;
+    int pt = a2ats_block_scan<NW>(kt, ws, m);
+#pragma unroll
+    for (int e = 0; e < EMAX; ++e)
+        if (lv[e]) tok[pt++] = jt + e;
+    __syncthreads();   // tok[0, m): the chunk's taken tokens, in index order
 """
 
 # sel (BH, n) uint8, zeroed by MLX (init_value): 1 on every token the step attends to.
@@ -306,7 +350,7 @@ _MASK_SRC = _SCAN_SRC + """
 # groups, the block its warps into a partial per (row, block, head): pm max logit, pl sum, pacc (D,) sum p * V.
 _ATTEND_SRC = _SCAN_SRC + """
     constexpr int LPR = D / EPL, RW = 32 / LPR;
-    const int sub = lane / LPR, li = lane % LPR;
+    const int warp = tid >> 5, sub = lane / LPR, li = lane % LPR;
     const int Tb = keys_shape[2];
     const float NEG = __int_as_float(0xff800000);
     __shared__ float sq[G * D];
