@@ -196,20 +196,13 @@ _SELECT_SRC = """
         const unsigned himask = pass == 0 ? 0u : (0xffffffffu << (shift + 8));
         for (int e = tid; e < G * 256; e += nt) hist[e] = 0;
         __syncthreads();
-        // the scores share few leading bytes (pass 0 is mostly sign and exponent), so lanes of a warp that hit the
-        // same bin add their counts first and one of them updates the bin: far fewer colliding shared atomics
-        for (int cb = 0; cb < KS; cb += nt) {   // the same trip count in every thread: whole warps below
-            const int c = cb + tid;
-            const int n = c < KS ? cnt[c] : 0;
-            for (int g = 0; g < G; ++g) {
-                int bin = -1;
-                if (n > 0) {
+        for (int c = tid; c < KS; c += nt) {
+            const int n = cnt[c];
+            if (n > 0) {
+                for (int g = 0; g < G; ++g) {
                     const unsigned key = a2ats_key(lrow[(size_t)g * KS + c]);
-                    if (((key ^ pre[g]) & himask) == 0u) bin = g * 256 + (int)((key >> shift) & 255u);
+                    if (((key ^ pre[g]) & himask) == 0u) atomicAdd(&hist[g * 256 + ((key >> shift) & 255u)], n);
                 }
-                const unsigned peers = __match_any_sync(0xffffffffu, bin);
-                const unsigned sum = __reduce_add_sync(peers, (unsigned)n);
-                if (bin >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (int)sum);
             }
         }
         __syncthreads();
@@ -283,7 +276,11 @@ _SCAN_SRC = """
     unsigned char* lvs = a2ats_smem;
     int* tok = reinterpret_cast<int*>(a2ats_smem + (KS + 15) / 16 * 16);
     __shared__ int ws[NW], before[2];
-    for (int k = tid; k < KS; k += NT) lvs[k] = levels[(size_t)r * KS + k];
+    if (KS % 16 == 0)   // rows of levels start 16-byte aligned then (MLX allocates at least that)
+        for (int k = tid; k < KS / 16; k += NT)
+            reinterpret_cast<uint4*>(lvs)[k] = reinterpret_cast<const uint4*>(levels + (size_t)r * KS)[k];
+    else
+        for (int k = tid; k < KS; k += NT) lvs[k] = levels[(size_t)r * KS + k];
     if (tid < 2) before[tid] = 0;
     const int j0 = c * P.chunk, j1 = min(j0 + P.chunk, n);
     // each thread E consecutive tokens, their codes loaded at once (one round of memory latency per block)
@@ -456,13 +453,12 @@ _ATTEND_SRC = _SCAN_SRC + """
     __threadfence();
     // every other block has taken its ticket: reset it, so a second attend over the same nsel merges too
     if (tid == 0) const_cast<int*>(nsel)[r * 3 + 2] = 0;
-    // One block merges NC partials (over a hundred at long contexts), so the work is spread over the whole block:
-    // warps find each head's max and sum over the blocks, then tiles of the blocks' weights go to shared memory
-    // and every thread sums its (head, dim) outputs over a tile with independent loads in flight.
+    // One block merges NC partials (over a hundred at long contexts), spread over the whole block: warps find each
+    // head's max and sum over the blocks, then every thread sums a float4 of outputs over every SPLIT-th partial
+    // (16-byte loads, several in flight), and the SPLIT sums of each float4 meet in shared memory.
     const int NC = gridDim.x;
     const size_t base = (size_t)r * NC;
-    constexpr int TILE = 1024 / G;
-    __shared__ float Mg[G], Lg[G], wt[TILE * G];
+    __shared__ float Mg[G], Lg[G];
     for (int g = warp; g < G; g += NW) {
         float M = NEG, L = 0.0f;
         for (int c2 = lane; c2 < NC; c2 += 32) M = fmaxf(M, __ldcg(pm + (base + c2) * G + g));
@@ -474,36 +470,37 @@ _ATTEND_SRC = _SCAN_SRC + """
         for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
         if (lane == 0) { Mg[g] = M; Lg[g] = L; }
     }
-    constexpr int PER_T = (G * D + NT - 1) / NT;   // outputs per thread
-    float A[PER_T];
-    for (int i = 0; i < PER_T; ++i) A[i] = 0.0f;
-    for (int t0 = 0; t0 < NC; t0 += TILE) {
-        const int nt_ = min(TILE, NC - t0);
-        __syncthreads();   // Mg/Lg written (first tile), the previous tile's weights read
-        for (int e = tid; e < nt_ * G; e += NT) {
-            const int g = e % G;
-            const float mc = __ldcg(pm + (base + t0) * G + e);
-            wt[e] = mc > NEG ? expf(mc - Mg[g]) : 0.0f;
-        }
-        __syncthreads();
-        for (int i = 0; i < PER_T; ++i) {
-            const int e = tid + i * NT;
-            if (e < G * D) {
-                const int g = e / D, dd = e - g * D;
-                const float* src = pacc + ((base + t0) * G + g) * D + dd;
-                float a = 0.0f;
+    __syncthreads();
+    constexpr int T4 = G * D / 4, SPLIT = NT / T4;   // float4 outputs, threads per output (shapes_supported: >= 1)
+    const int o4 = tid % T4, part = tid / T4, g4 = o4 * 4 / D;
+    float4 A = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (part < SPLIT) {
+        const float4* src = reinterpret_cast<const float4*>(pacc + base * G * D) + o4;
 #pragma unroll 8
-                for (int c2 = 0; c2 < nt_; ++c2) a += wt[c2 * G + g] * __ldcg(src + (size_t)c2 * G * D);
-                A[i] += a;
-            }
+        for (int c2 = part; c2 < NC; c2 += SPLIT) {
+            const float mc = __ldcg(pm + (base + c2) * G + g4);
+            const float wgt = mc > NEG ? expf(mc - Mg[g4]) : 0.0f;
+            const float4 v = __ldcg(src + (size_t)c2 * T4);
+            A.x = fmaf(wgt, v.x, A.x);
+            A.y = fmaf(wgt, v.y, A.y);
+            A.z = fmaf(wgt, v.z, A.z);
+            A.w = fmaf(wgt, v.w, A.w);
         }
     }
-    for (int i = 0; i < PER_T; ++i) {
-        const int e = tid + i * NT;
-        if (e < G * D) {
-            const int g = e / D, dd = e - g * D;
-            out[((size_t)r * G + g) * D + dd] = static_cast<T>(A[i] / Lg[g]);
+    float4* red = reinterpret_cast<float4*>(a2ats_smem);   // the partials' shared bytes are free again
+    red[tid] = A;
+    __syncthreads();
+    if (part == 0) {
+        for (int p2 = 1; p2 < SPLIT; ++p2) {
+            const float4 y = red[p2 * T4 + o4];
+            A.x += y.x; A.y += y.y; A.z += y.z; A.w += y.w;
         }
+        const float inv_l = 1.0f / Lg[g4];
+        T* dst = out + (size_t)r * G * D + o4 * 4;
+        dst[0] = static_cast<T>(A.x * inv_l);
+        dst[1] = static_cast<T>(A.y * inv_l);
+        dst[2] = static_cast<T>(A.z * inv_l);
+        dst[3] = static_cast<T>(A.w * inv_l);
     }
 """
 
@@ -533,19 +530,20 @@ def lane_elems(d: int, itemsize: int) -> int | None:
 @lru_cache(maxsize=None)
 def shapes_supported(G: int, d: int, dv: int, K: int = 4096) -> bool:
     """What the kernels hold: the rotated queries, angles, code counts and G 256-bin histograms in the select
-    block's shared memory; the code levels, a chunk's token list, the scaled queries, per-warp partials and a
-    1,024-weight merge tile in the attend block's; a row split over lanes in 8-32 byte loads for 2- and 4-byte
-    dtypes (d a power of two from 32); G * EPL accumulators per lane."""
+    block's shared memory; the code levels, a chunk's token list, the scaled queries and per-warp partials in the
+    attend block's; a row split over lanes in 8-32 byte loads for 2- and 4-byte dtypes (d a power of two from
+    32); G * EPL accumulators per lane; at most one float4 of a row's G * d outputs per thread in the merge."""
     epl = [lane_elems(d, s) for s in (2, 4)]
-    return (d == dv and None not in epl and 1 <= G <= 32 and G * max(epl) <= 64
+    return (d == dv and None not in epl and 1 <= G <= 32 and G * max(epl) <= 64 and G * d <= 4 * WARPS * 32
             and 4 * G * d + 8 * d + 4 * K + 4 * 256 * G + 16 * G + 16 <= _SHARED_LIMIT
-            and _scan_smem(K, G, d) + 12 * WARPS + 8 + 4 * G * d + 8 * G + 4 * 1024 + 4 <= _SHARED_LIMIT)
+            and _scan_smem(K, G, d) + 4 * WARPS + 8 + 4 * G * d + 8 * G + 4 <= _SHARED_LIMIT)
 
 
 def _scan_smem(K: int, G: int = 0, d: int = 0) -> int:
     """Bytes of the attend/mask kernels' shared buffer (SMEM): the code levels and a chunk's token list, which
-    the attend kernel then reuses for its warps' partials (max and sum per head, D sums per head)."""
-    return max(-(-K // 16) * 16 + 4 * CHUNK_MAX, 4 * WARPS * G * (d + 2))
+    the attend kernel then reuses for its warps' partials (max and sum per head, D sums per head) and then for
+    the merge's float4 sums (one per thread)."""
+    return max(-(-K // 16) * 16 + 4 * CHUNK_MAX, 4 * WARPS * G * (d + 2), 16 * WARPS * 32)
 
 
 @lru_cache(maxsize=None)
