@@ -129,10 +129,13 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
         # 256K float16 that doubled both dense and the CUDA step in one shared loop (0.71 and 0.72 ms, against
         # 0.36 and 0.34 ms with no host method in the loop: decode_profile --parts). Dense's row is its loop with
         # the auto method.
+        # Each loop also runs GPU_REPS_PER_REP times the reps after GPU_WARMUP steps: a GPU step is well under a
+        # millisecond, and 7 repetitions right after the inputs were made read 0.52 / 0.56 ms (dense / CUDA step,
+        # 256K float16, 8be5c36) where decode_profile --parts' 40 read 0.35 / 0.28 ms.
         res = {}
         for name in fns:
             if name != "dense":
-                pair = interleaved({"dense": dense, name: fns[name]}, reps=reps)
+                pair = interleaved({"dense": dense, name: fns[name]}, reps=GPU_REPS_PER_REP * reps, warmup=GPU_WARMUP)
                 res.setdefault("dense", pair["dense"])
                 res[name] = {**pair[name], "dense_times_ms": pair["dense"]["times_ms"]}
     ratio = lambda name: paired_ratio(res[name].get("dense_times_ms", res["dense"]["times_ms"]),
@@ -141,7 +144,7 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
     item = mx.zeros((), dtype).itemsize
     by_method = {auto: "a2ats", **{k[6:]: k for k in res if k.startswith("a2ats_")}}
     return {
-        "T": T, "dtype": dtype_name, "reps": reps,
+        "T": T, "dtype": dtype_name, "reps": reps if mx.default_device().type == mx.cpu else GPU_REPS_PER_REP * reps,
         "dense_ms": res["dense"]["median_ms"], "a2ats_ms": res["a2ats"]["median_ms"],
         "speedup": ratio("a2ats"), "select_method": auto,
         "loops": "one, every method interleaved" if mx.default_device().type == mx.cpu else "one per method, with dense",
@@ -157,6 +160,9 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
         "shape": dict(n_q=n_q, n_kv=n_kv, d=d, K=K, topk=topk, w=w, sinks=sinks, batch=1),
     }
 
+
+#: on a GPU, each decode-step loop's repetitions per requested repetition, and its untimed warm-up steps
+GPU_REPS_PER_REP, GPU_WARMUP = 5, 10
 
 #: the selection methods a decode-step row times beside dense (fast_decode.decode_step_fast's method=)
 SELECT_METHODS = ("mlx", "sortfree", "host")
