@@ -178,6 +178,8 @@ def test_cuda_kernel_shapes_fit_the_block():
     assert cuda_decode.shapes_supported(4, 128, 128) and cuda_decode.shapes_supported(3, 64, 64)
     assert cuda_decode.shapes_supported(8, 128, 128) and cuda_decode.shapes_supported(7, 128, 128)
     assert not cuda_decode.shapes_supported(4, 96, 96)      # 3 elements per lane: no aligned vector load
+    assert cuda_decode.lane_elems(8, 4) == 1 and not cuda_decode.shapes_supported(4, 8, 8)   # not run on a GPU
+    assert not cuda_decode.shapes_supported(4, 256, 256)
     assert not cuda_decode.shapes_supported(4, 128, 128, K=16384)   # code counts over the shared-memory budget
     assert not cuda_decode.shapes_supported(4, 80, 80)      # not a multiple of 32
     assert not cuda_decode.shapes_supported(4, 128, 64)     # dv != d
