@@ -658,8 +658,8 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
     if method == "cuda":
         from . import cuda_decode
         if not (cuda_decode.on_cuda() and cuda_decode.shapes_supported(G, d, values.shape[-1], K)):
-            raise ValueError("method='cuda' needs MLX's CUDA backend as the default device and d == dv, a multiple "
-                             "of 32, and a head shape whose counts fit a block (got "
+            raise ValueError("method='cuda' needs MLX's CUDA backend as the default device and d == dv, one of "
+                             f"{cuda_decode.RUN_HEAD_DIMS}, and a head shape whose counts fit a block (got "
                              f"d={d}, dv={values.shape[-1]}, G={G}, K={K}: cuda_decode.shapes_supported); "
                              "use method='sortfree' elsewhere")
     if method in ("sortfree", "cuda") and kk > 0:
