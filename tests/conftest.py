@@ -2,10 +2,11 @@
 `on_cpu` runs a test on MLX's CPU device."""
 
 import json
-import os
 
-# Full float32 matmuls on GPUs (MLX reads this once, at the first float32 GEMM): see SPEC, Precision on GPUs.
-os.environ.setdefault("MLX_ENABLE_TF32", "0")
+# Full float32 matmuls on GPUs and a JIT cache of this process's own, before MLX runs (suite_env says why).
+from a2ats_ref.suite_env import pin_suite_process  # noqa: E402
+
+pin_suite_process()
 
 import pytest
 

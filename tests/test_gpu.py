@@ -295,3 +295,29 @@ def test_decode_profile_pipelined_keeps_one_step_in_flight_and_times_both():
     assert got["dense_ms"] > 0 and got["a2ats_ms"] > 0 and got["speedup"] > 0 and got["method"] == "sortfree"
     with pytest.raises(SystemExit):
         decode_profile.main(["--pipelined", "--method", "dense", "--T", "1024"])
+
+
+# --------------------------------------------------------------------------- the suite's MLX process settings
+def _child_jit_cache(env):
+    code = ("import os; from a2ats_ref.suite_env import pin_suite_process; pin_suite_process(); "
+            "d = os.environ['MLX_PTX_CACHE_DIR']; print(d, os.environ.get('A2ATS_PTX_CACHE_OWNER'), os.getpid(), "
+            "os.path.isdir(d), os.environ['MLX_ENABLE_TF32'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def test_every_suite_process_gets_a_jit_cache_of_its_own():
+    # MLX CUDA's JIT shares one PTX directory between processes and writes it unlocked: a worker loaded a kernel
+    # another was still writing (H200, 24c1996). This process (conftest) and a child that inherits its
+    # environment, as xdist and the conformance CLI's workers do, each get their own directory.
+    from a2ats_ref.suite_env import OWNER
+
+    mine = os.environ["MLX_PTX_CACHE_DIR"]
+    assert os.environ[OWNER] == str(os.getpid()) and os.path.isdir(mine)
+    d, owner, pid, existed, tf32 = _child_jit_cache(dict(os.environ))
+    assert d != mine and owner == pid and existed == "True" and tf32 == "0"
+    assert not os.path.exists(d)   # removed when the child exits
+    # a directory the user chose (no owner tag) is kept, as is a TF32 setting
+    user = {k: v for k, v in os.environ.items() if k != OWNER}
+    d, owner, _, _, tf32 = _child_jit_cache(dict(user, MLX_PTX_CACHE_DIR=mine, MLX_ENABLE_TF32="1"))
+    assert d == mine and owner == "None" and tf32 == "1"
