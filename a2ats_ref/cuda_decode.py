@@ -57,9 +57,10 @@ CHUNK_MAX = 2048
 #: attend blocks per step that chunk_for aims at: ~8 per SM of a 132-SM H200, enough to hide the gathers' latency
 TARGET_BLOCKS = 1024
 #: the head sizes the kernels are taken for: the ones they ran correctly on the H200 (gate and tests/test_gpu.py,
-#: 8be5c36). lane_elems admits d = 8..256, but in the full GPU test run at 24c1996 the self-check of a d = 8 shape
-#: (test_vectors) failed to load its attend kernel and the process then hit an illegal-address error; that was not
-#: reproduced or explained for lack of device time, so smaller and larger heads take the portable step
+#: 8be5c36). kernels_fit admits d = 8..256, and the host emulator (tests/test_cuda_emu.py) runs d = 8 and 256
+#: correctly, but in the full GPU test run at 24c1996 a d = 8 self-check failed to load its kernel and the process
+#: then hit an illegal-address error (most likely MLX's shared JIT cache: a2ats_ref/suite_env.py). Until a GPU
+#: run shows them clean, other head sizes take the portable step
 RUN_HEAD_DIMS = (32, 64, 128)
 #: static shared memory a kernel may use (CUDA's limit without opt-in is 48 KB)
 _SHARED_LIMIT = 46 * 1024
@@ -534,13 +535,19 @@ def lane_elems(d: int, itemsize: int) -> int | None:
 
 @lru_cache(maxsize=None)
 def shapes_supported(G: int, d: int, dv: int, K: int = 4096) -> bool:
-    """What the kernels hold: the rotated queries, angles, code counts and G 256-bin histograms in the select
+    """Whether "auto" and method="cuda" take the kernels for this head shape: they fit it (kernels_fit) and d is
+    one of RUN_HEAD_DIMS."""
+    return d in RUN_HEAD_DIMS and kernels_fit(G, d, dv, K)
+
+
+@lru_cache(maxsize=None)
+def kernels_fit(G: int, d: int, dv: int, K: int = 4096) -> bool:
+    """What the kernels can hold: the rotated queries, angles, code counts and G 256-bin histograms in the select
     block's shared memory; the code levels, a chunk's token list, the scaled queries and per-warp partials in the
     attend block's; a row split over lanes in 8-32 byte loads for 2- and 4-byte dtypes; G * EPL accumulators per
-    lane; at most one float4 of a row's G * d outputs per thread in the merge; and d one of RUN_HEAD_DIMS."""
+    lane; at most one float4 of a row's G * d outputs per thread in the merge."""
     epl = [lane_elems(d, s) for s in (2, 4)]
-    return (d == dv and d in RUN_HEAD_DIMS and None not in epl and 1 <= G <= 32 and G * max(epl) <= 64
-            and G * d <= 4 * WARPS * 32
+    return (d == dv and None not in epl and 1 <= G <= 32 and G * max(epl) <= 64 and G * d <= 4 * WARPS * 32
             and 4 * G * d + 8 * d + 4 * K + 4 * 256 * G + 16 * G + 16 <= _SHARED_LIMIT
             and _scan_smem(K, G, d) + 4 * WARPS + 8 + 4 * G * d + 8 * G + 4 <= _SHARED_LIMIT)
 
@@ -552,18 +559,26 @@ def _scan_smem(K: int, G: int = 0, d: int = 0) -> int:
     return max(-(-K // 16) * 16 + 4 * CHUNK_MAX, 4 * WARPS * G * (d + 2), 16 * WARPS * 32)
 
 
+#: each kernel's input names, output names and source (MLX builds the signature from the names and the arrays)
+KERNELS = {
+    "select": (["q", "CT", "inv", "tc", "ts", "counts", "codes", "ipa", "ipb"], ["lut", "levels", "nsel"], _SELECT_SRC),
+    "attend": (["q", "keys", "values", "codes", "levels", "nsel", "ipa", "ipb"], ["pm", "pl", "pacc", "out"], _ATTEND_SRC),
+    "mask": (["codes", "levels", "nsel", "ipa", "ipb"], ["sel"], _MASK_SRC),
+}
+
+
 @lru_cache(maxsize=None)
 def _kernels():
-    ck = mx.fast.cuda_kernel
-    return {
-        "select": ck(name="a2ats_select",
-                     input_names=["q", "CT", "inv", "tc", "ts", "counts", "codes", "ipa", "ipb"],
-                     output_names=["lut", "levels", "nsel"], source=_SELECT_SRC, header=_HEADER),
-        "attend": ck(name="a2ats_attend", input_names=["q", "keys", "values", "codes", "levels", "nsel", "ipa", "ipb"],
-                     output_names=["pm", "pl", "pacc", "out"], source=_ATTEND_SRC, header=_HEADER),
-        "mask": ck(name="a2ats_mask", input_names=["codes", "levels", "nsel", "ipa", "ipb"], output_names=["sel"],
-                   source=_MASK_SRC, header=_HEADER),
-    }
+    return {name: mx.fast.cuda_kernel(name=f"a2ats_{name}", input_names=ins, output_names=outs, source=src,
+                                      header=_HEADER)
+            for name, (ins, outs, src) in KERNELS.items()}
+
+
+def mlx_launch(name: str, **spec) -> list:
+    """Run kernel `name` through MLX's CUDA custom-kernel path (spec: inputs, output_shapes, output_dtypes, grid,
+    threadgroup, template and optionally init_value, as mx.fast.cuda_kernel's call takes them). The functions
+    below take another launcher in `launch`; tests/cuda_emu.py runs the same specs on the host."""
+    return _kernels()[name](**spec)
 
 
 def chunk_for(n: int, BH: int) -> int:
@@ -594,7 +609,7 @@ def step_params(*, kk: int, c0: int, c1: int, counted: int, S: int, kept: bool, 
     return (empty.reshape(0, kk, c0, c1, counted, S, int(kept), n), empty.reshape(0, sinks, w, *bits, chunk))
 
 
-def select(queries, CT, inv, counts, codes, ip, *, traditional: bool, applied_angle=None):
+def select(queries, CT, inv, counts, codes, ip, *, traditional: bool, applied_angle=None, launch=mlx_launch):
     """(lut (BH, G, K) float32, levels (BH, K) uint8, nsel (BH, 3) int32) (kernel 1): scale · q R_{b - applied} · C
     per code; each code's level; the level-1 and level-2 token counts and, zeroed, the attend kernel's ticket.
     counts (B, n_kv, K) and codes (B, n_kv, T) as the cache holds them (no reshape: every op is host time on every
@@ -604,15 +619,15 @@ def select(queries, CT, inv, counts, codes, ip, *, traditional: bool, applied_an
     G, BH = n_q // n_kv, B * n_kv
     tables = applied_angle is not None
     tc, ts = applied_angle if tables else (inv, inv)
-    return _kernels()["select"](
-        inputs=[queries, CT, inv, tc, ts, counts, codes, *ip], output_shapes=[(BH, G, K), (BH, K), (BH, 3)],
+    return launch(
+        "select", inputs=[queries, CT, inv, tc, ts, counts, codes, *ip], output_shapes=[(BH, G, K), (BH, K), (BH, 3)],
         output_dtypes=[mx.float32, mx.uint8, mx.int32], grid=(SELECT_THREADS, BH, 1),
         threadgroup=(SELECT_THREADS, 1, 1),
         template=[("T", queries.dtype), ("G", G), ("D", d), ("NKV", n_kv), ("TRAD", int(traditional)),
                   ("TABLES", int(tables)), ("KS", K), ("CodeT", codes.dtype)])
 
 
-def attend(queries, keys, values, codes, lv, nsel, ip, *, n: int, chunk: int) -> mx.array:
+def attend(queries, keys, values, codes, lv, nsel, ip, *, n: int, chunk: int, launch=mlx_launch) -> mx.array:
     """Exact softmax attention over the tokens the step selects in [0, n), (B, n_q, 1, d) (kernel 2): each block
     scans its chunk of tokens, attends to the ones it takes and leaves a partial; each row's last block merges
     them (a ticket in nsel's third column, which select zeroes and the last block resets)."""
@@ -620,8 +635,8 @@ def attend(queries, keys, values, codes, lv, nsel, ip, *, n: int, chunk: int) ->
     n_kv = keys.shape[1]
     BH, G, K = B * n_kv, n_q // n_kv, lv.shape[-1]
     NC = -(-n // chunk)
-    *_, out = _kernels()["attend"](
-        inputs=[queries, keys, values, codes, lv, nsel, *ip],
+    *_, out = launch(
+        "attend", inputs=[queries, keys, values, codes, lv, nsel, *ip],
         output_shapes=[(BH, NC, G), (BH, NC, G), (BH, NC, G, d), (B, n_q, 1, d)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, values.dtype],
         grid=(NC * WARPS * 32, BH, 1), threadgroup=(WARPS * 32, 1, 1),
@@ -630,11 +645,11 @@ def attend(queries, keys, values, codes, lv, nsel, ip, *, n: int, chunk: int) ->
     return out
 
 
-def selection_mask(codes, lv, nsel, ip, *, n: int, chunk: int) -> mx.array:
+def selection_mask(codes, lv, nsel, ip, *, n: int, chunk: int, launch=mlx_launch) -> mx.array:
     """(BH, n) bool: the tokens attend takes, by the same scan (the mask kernel)."""
     BH, K = lv.shape
-    (sel,) = _kernels()["mask"](
-        inputs=[codes, lv, nsel, *ip], output_shapes=[(BH, n)], output_dtypes=[mx.uint8],
+    (sel,) = launch(
+        "mask", inputs=[codes, lv, nsel, *ip], output_shapes=[(BH, n)], output_dtypes=[mx.uint8],
         grid=(-(-n // chunk) * WARPS * 32, BH, 1), threadgroup=(WARPS * 32, 1, 1), init_value=0,
         template=[("KS", K), ("NW", WARPS), ("SMEM", _scan_smem(K)), ("CodeT", codes.dtype)])
     return sel.astype(mx.bool_)
@@ -651,11 +666,12 @@ class KernelSelection(NamedTuple):
     n: int
     chunk: int
     shape: tuple   # (B, n_kv, n_tokens), n_tokens >= n
+    launch: object = mlx_launch
 
     def mask(self) -> mx.array:
         """Bool (B, n_kv, n_tokens): True on every token the step attended to."""
         B, n_kv, n_tokens = self.shape
-        m = selection_mask(self.codes, self.levels, self.nsel, self.ip, n=self.n, chunk=self.chunk)
+        m = selection_mask(self.codes, self.levels, self.nsel, self.ip, n=self.n, chunk=self.chunk, launch=self.launch)
         if n_tokens > self.n:
             m = mx.concatenate([m, mx.zeros((B * n_kv, n_tokens - self.n), dtype=mx.bool_)], axis=-1)
         return m.reshape(B, n_kv, n_tokens)
@@ -663,15 +679,17 @@ class KernelSelection(NamedTuple):
 
 def decode(queries, keys, values, codes, CT, inv, *, counts, kept: bool, kk: int, c0: int, c1: int, counted: int,
            S: int, n: int, sinks: int, w: int, b: float, query_pos: float, scale: float, traditional: bool,
-           applied_angle=None, n_tokens: int | None = None):
+           applied_angle=None, n_tokens: int | None = None, launch=mlx_launch):
     """One sort-free decode step in two kernels: (out (B, n_q, 1, d), KernelSelection, lut (BH, G, K))."""
     B, n_kv = queries.shape[0], CT.shape[0]
     chunk = chunk_for(n, B * n_kv)
     ip = step_params(kk=kk, c0=c0, c1=c1, counted=counted, S=S, kept=kept, n=n, sinks=sinks, w=w, b=b,
                      query_pos=query_pos, scale=scale, chunk=chunk)
-    table, lv, nsel = select(queries, CT, inv, counts, codes, ip, traditional=traditional, applied_angle=applied_angle)
-    out = attend(queries, keys, values, codes, lv, nsel, ip, n=n, chunk=chunk)
-    return out, KernelSelection(codes, lv, nsel, ip, n, chunk, (B, n_kv, n if n_tokens is None else n_tokens)), table
+    table, lv, nsel = select(queries, CT, inv, counts, codes, ip, traditional=traditional, applied_angle=applied_angle,
+                             launch=launch)
+    out = attend(queries, keys, values, codes, lv, nsel, ip, n=n, chunk=chunk, launch=launch)
+    shape = (B, n_kv, n if n_tokens is None else n_tokens)
+    return out, KernelSelection(codes, lv, nsel, ip, n, chunk, shape, launch), table
 
 
 _USABLE: dict = {}
@@ -707,7 +725,8 @@ def _random_case(*, T, n_q, n_kv, d, K, dtype, seed):
 
 
 def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float32, seed: int = 0,
-                  topk=0.03, w: int = 64, sinks: int = 8, b: int = 2048, kept: bool = True, S: int | None = None) -> dict:
+                  topk=0.03, w: int = 64, sinks: int = 8, b: int = 2048, kept: bool = True, S: int | None = None,
+                  launch=mlx_launch) -> dict:
     """One random decode step by the kernels, part by part against the portable step and float64:
 
     lut_rel_err: the select kernel's LUT against a float64 NumPy LUT (relative to its largest entry);
@@ -715,11 +734,14 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
     (fast_decode._sortfree_select given the kernel's LUT, plus the forced tokens), exactly; extra and missing count
     the tokens only the kernels take and only the portable step takes;
     max_rel_err: the attention against the portable attention (fast_decode._attend_fn) over that selection.
-    S (default: fast_decode.sortfree_width) may be set smaller to make the slot cut bind.
+    S (default: fast_decode.sortfree_width) may be set smaller to make the slot cut bind. launch runs the kernels
+    (default: MLX CUDA; tests/cuda_emu.py's host emulator runs the same sources on any machine).
     """
     from . import fast_decode as fd
     from .retrieval import topk_count
 
+    if not kernels_fit(n_q // n_kv, d, d, K):
+        raise ValueError(f"compare_parts: the kernels do not fit G={n_q // n_kv}, d={d}, K={K} (kernels_fit)")
     x = _random_case(T=T, n_q=n_q, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=seed)
     n = T
     forced, c0, c1 = fd._regions(n, w, sinks)
@@ -731,7 +753,8 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
     scale = 1.0 / np.sqrt(d)
     step = dict(kk=kk, c0=c0, c1=c1, counted=n if kept else 0, S=S, kept=kept, n=n, sinks=sinks, w=w,
                 b=float(b), query_pos=float(n - 1), scale=float(scale))
-    out, sel, table = decode(x["q"], x["k"], x["v"], x["codes"], x["CT"], inv, counts=counts, traditional=False, **step)
+    out, sel, table = decode(x["q"], x["k"], x["v"], x["codes"], x["CT"], inv, counts=counts, traditional=False,
+                             launch=launch, **step)
     mask = sel.mask()
     # float64 LUT: q de-rotated by (n - 1) * inv, rotated by b * inv, scaled, times C
     q64 = np.array(x["q"].astype(mx.float32), dtype=np.float64).reshape(n_kv, G, d)
