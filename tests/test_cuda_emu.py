@@ -80,3 +80,71 @@ def test_host_kernels_reject_mutants(monkeypatch, old, new, case, expect):
 def test_compare_parts_refuses_a_shape_the_kernels_cannot_hold():
     with pytest.raises(ValueError, match="do not fit G=8, d=256"):
         cuda_decode.compare_parts(T=500, n_q=8, n_kv=1, d=256, K=64, launch=cuda_emu.emulate)
+
+
+@pytest.mark.parametrize("traditional,tables,dtype", [(True, True, mx.float32), (False, True, mx.float16),
+                                                      (True, False, mx.bfloat16)])
+def test_decode_step_through_the_host_kernels_matches_the_portable_step(monkeypatch, traditional, tables, dtype):
+    # What compare_parts does not reach, through decode_step_fast(method="cuda") as the cache calls it: batch 2 (rows
+    # b * n_kv + h), traditional RoPE, the model's applied-angle tables, kept counts corrected by the coded window
+    # tail, and a query before the buffer's end (the mask padded from n to n_tokens).
+    import numpy as np
+    from functools import partial
+
+    from a2ats_ref import fast_decode
+
+    monkeypatch.setattr(cuda_decode, "on_cuda", lambda: True)
+    monkeypatch.setattr(cuda_decode, "_kernels", lambda: {k: partial(cuda_emu.emulate, k) for k in cuda_decode.KERNELS})
+    rng = np.random.default_rng(5)
+    B, n_q, n_kv, d, K, T_buf, n_tokens, i, w = 2, 8, 2, 32, 64, 1200, 1100, 1049, 64
+    arr = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))
+    q, k, v = arr(B, n_q, 1, d).astype(dtype), arr(B, n_kv, T_buf, d).astype(dtype), arr(B, n_kv, T_buf, d).astype(dtype)
+    codes = mx.array(rng.integers(0, K, (B, n_kv, T_buf)).astype(np.uint8))
+    CT = fast_decode.prepare_codebook(arr(n_kv, K, d))
+    inv = mx.array((1.0 / 10000.0 ** (np.arange(0, d, 2) / d)).astype(np.float32))
+    counted = i + 1 - w + 20   # the window's first 20 tokens already coded: the kernel subtracts their codes
+    kw = dict(query_pos=i, b=2048, w=w, sinks=4, topk=0.05, inv_freqs=inv, traditional=traditional,
+              n_tokens=n_tokens, return_mask=True, code_counts=(fast_decode.code_counts(codes[..., :counted], K), counted))
+    if tables:
+        th = np.float32(i) * np.array(inv)
+        kw["applied_angle"] = (mx.array(np.cos(th).astype(np.float32)), mx.array(np.sin(th).astype(np.float32)))
+    out_c, mask_c = fast_decode.decode_step_fast(q, k, v, codes, CT, method="cuda", **kw)
+    out_p, mask_p = fast_decode.decode_step_fast(q, k, v, codes, CT, method="sortfree", **kw)
+    assert mask_c.shape == mask_p.shape == (B, n_kv, n_tokens)
+    assert np.array_equal(np.array(mask_c), np.array(mask_p))
+    assert not np.array(mask_c)[..., i + 1:].any() and np.array(mask_c)[..., i].all()
+    o, r = np.array(out_c.astype(mx.float32)), np.array(out_p.astype(mx.float32))
+    assert np.abs(o - r).max() <= ATTN_BOUND[dtype] * np.abs(r).max()
+
+
+def test_kept_counts_lose_exactly_the_coded_window(monkeypatch):
+    # The select kernel subtracts the sinks' and the coded window tail's codes from the kept counts. Crafted so
+    # one count decides: b = the query position (EQ-12 rotates by nothing), code 0 = q and code 1 = -q, the top
+    # code 0 on kk - 1 candidates and on every window token. Corrected, the kk-th score is a code-1 tie and every
+    # candidate is taken; one window code left in (a count of kk) would make code 0 a whole level-1 set alone.
+    import numpy as np
+    from functools import partial
+
+    from a2ats_ref import fast_decode
+    from a2ats_ref.retrieval import topk_count
+
+    monkeypatch.setattr(cuda_decode, "on_cuda", lambda: True)
+    monkeypatch.setattr(cuda_decode, "_kernels", lambda: {k: partial(cuda_emu.emulate, k) for k in cuda_decode.KERNELS})
+    d, K, n, w, sinks, topk = 32, 2, 600, 16, 2, 0.05
+    _, c0, c1 = fast_decode._regions(n, w, sinks)
+    kk = topk_count(n, topk, c1 - c0)
+    qv = np.random.default_rng(0).standard_normal(d).astype(np.float32)
+    codes = np.ones((1, 1, n), np.uint8)
+    codes[..., :c0 + kk - 1] = 0
+    codes[..., c1:] = 0
+    counted = c1 + 10
+    codes = mx.array(codes)
+    kw = dict(query_pos=n - 1, b=n - 1, w=w, sinks=sinks, topk=topk, traditional=False,
+              inv_freqs=mx.array((1.0 / 10000.0 ** (np.arange(0, d, 2) / d)).astype(np.float32)),
+              code_counts=(fast_decode.code_counts(codes[..., :counted], K), counted), return_mask=True)
+    kv = mx.array(np.random.default_rng(1).standard_normal((1, 1, n, d)).astype(np.float32))
+    CT = fast_decode.prepare_codebook(mx.array(np.stack([qv, -qv])[None]))
+    q = mx.array(qv.reshape(1, 1, 1, d))
+    _, mask_c = fast_decode.decode_step_fast(q, kv, kv, codes, CT, method="cuda", **kw)
+    _, mask_p = fast_decode.decode_step_fast(q, kv, kv, codes, CT, method="sortfree", **kw)
+    assert np.array(mask_p).all() and np.array_equal(np.array(mask_c), np.array(mask_p))
