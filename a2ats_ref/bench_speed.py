@@ -120,7 +120,8 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
         for m in SELECT_METHODS + (("cuda",) if cuda_decode.usable(**shape) else ()):
             if m != auto:
                 fns["a2ats_" + m] = a2ats(m)
-    if mx.default_device().type == mx.cpu:
+    on_cpu = mx.default_device().type == mx.cpu
+    if on_cpu:
         res = interleaved(fns, reps=reps)
     else:
         # On a GPU every method is timed in its own loop with dense: memory another method's host work touched
@@ -144,10 +145,10 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
     item = mx.zeros((), dtype).itemsize
     by_method = {auto: "a2ats", **{k[6:]: k for k in res if k.startswith("a2ats_")}}
     return {
-        "T": T, "dtype": dtype_name, "reps": reps if mx.default_device().type == mx.cpu else GPU_REPS_PER_REP * reps,
+        "T": T, "dtype": dtype_name, "reps": reps if on_cpu else GPU_REPS_PER_REP * reps,
         "dense_ms": res["dense"]["median_ms"], "a2ats_ms": res["a2ats"]["median_ms"],
         "speedup": ratio("a2ats"), "select_method": auto,
-        "loops": "one, every method interleaved" if mx.default_device().type == mx.cpu else "one per method, with dense",
+        "loops": "one, every method interleaved" if on_cpu else "one per method, with dense",
         "other_select_method_ms": {k[6:]: v["median_ms"] for k, v in res.items() if k.startswith("a2ats_")},
         "method_ms": {m: res[k]["median_ms"] for m, k in by_method.items()},
         "method_speedup": {m: ratio(k) for m, k in by_method.items()},

@@ -51,8 +51,10 @@ import numpy as np
 SELECT_THREADS = 1024
 #: warps per block of the attend and mask kernels, and row groups each lane keeps in flight
 WARPS, ROWS_IN_FLIGHT = 8, 4
+#: threads per block of the attend and mask kernels (NT in their source)
+ATTEND_THREADS = WARPS * 32
 #: the longest chunk of tokens one attend block scans (its shared token list); chunks are powers of two from
-#: WARPS * 32 to this, picked per step so a row's chunks fill the GPU (chunk_for)
+#: ATTEND_THREADS to this, picked per step so a row's chunks fill the GPU (chunk_for)
 CHUNK_MAX = 2048
 #: attend blocks per step that chunk_for aims at: ~8 per SM of a 132-SM H200, enough to hide the gathers' latency
 TARGET_BLOCKS = 1024
@@ -523,8 +525,8 @@ def _cuda_backend() -> bool:
 
 
 def lane_elems(d: int, itemsize: int) -> int | None:
-    """Elements of a row each lane loads in the attend kernel (EPL): a power of two, at most 16 bytes where a row
-    spans 2 or more lanes groups per warp, 32 where one row takes the whole warp; None if d splits no such way."""
+    """Elements of a row each lane loads in the attend kernel (EPL): a power of two, at most 16 bytes where one warp
+    load covers 2 or 4 rows, 32 where one row takes the whole warp; None if d splits no such way."""
     for rows in (4, 2, 1):   # rows one warp load covers
         lanes = 32 // rows
         epl = d // lanes
@@ -547,7 +549,7 @@ def kernels_fit(G: int, d: int, dv: int, K: int = 4096) -> bool:
     attend block's; a row split over lanes in 8-32 byte loads for 2- and 4-byte dtypes; G * EPL accumulators per
     lane; at most one float4 of a row's G * d outputs per thread in the merge."""
     epl = [lane_elems(d, s) for s in (2, 4)]
-    return (d == dv and None not in epl and 1 <= G <= 32 and G * max(epl) <= 64 and G * d <= 4 * WARPS * 32
+    return (d == dv and None not in epl and 1 <= G <= 32 and G * max(epl) <= 64 and G * d <= 4 * ATTEND_THREADS
             and 4 * G * d + 8 * d + 4 * K + 4 * 256 * G + 16 * G + 16 <= _SHARED_LIMIT
             and _scan_smem(K, G, d) + 4 * WARPS + 8 + 4 * G * d + 8 * G + 4 <= _SHARED_LIMIT)
 
@@ -556,7 +558,7 @@ def _scan_smem(K: int, G: int = 0, d: int = 0) -> int:
     """Bytes of the attend/mask kernels' shared buffer (SMEM): the code levels and a chunk's token list, which
     the attend kernel then reuses for its warps' partials (max and sum per head, D sums per head) and then for
     the merge's float4 sums (one per thread)."""
-    return max(-(-K // 16) * 16 + 4 * CHUNK_MAX, 4 * WARPS * G * (d + 2), 16 * WARPS * 32)
+    return max(-(-K // 16) * 16 + 4 * CHUNK_MAX, 4 * WARPS * G * (d + 2), 16 * ATTEND_THREADS)
 
 
 #: each kernel's input names, output names and source (MLX builds the signature from the names and the arrays)
@@ -582,10 +584,10 @@ def mlx_launch(name: str, **spec) -> list:
 
 
 def chunk_for(n: int, BH: int) -> int:
-    """Tokens per attend block: the power of two from WARPS * 32 to CHUNK_MAX that gives about TARGET_BLOCKS
+    """Tokens per attend block: the power of two from ATTEND_THREADS to CHUNK_MAX that gives about TARGET_BLOCKS
     blocks for n tokens in BH rows (longer chunks mean fewer partials to merge, shorter ones more blocks to fill
     the GPU with)."""
-    chunk = WARPS * 32
+    chunk = ATTEND_THREADS
     while chunk < CHUNK_MAX and -(-n // chunk) * BH > TARGET_BLOCKS:
         chunk *= 2
     return chunk
@@ -603,8 +605,8 @@ def step_params(*, kk: int, c0: int, c1: int, counted: int, S: int, kept: bool, 
     bits = struct.unpack("3i", struct.pack("3f", b, query_pos, scale))
     if min(bits) < 0:
         raise ValueError(f"b, query_pos and scale must be >= 0, got {b}, {query_pos}, {scale}")
-    if chunk % (WARPS * 32) or not WARPS * 32 <= chunk <= CHUNK_MAX:
-        raise ValueError(f"chunk must be a multiple of {WARPS * 32} up to {CHUNK_MAX}, got {chunk}")
+    if chunk % ATTEND_THREADS or not ATTEND_THREADS <= chunk <= CHUNK_MAX:
+        raise ValueError(f"chunk must be a multiple of {ATTEND_THREADS} up to {CHUNK_MAX}, got {chunk}")
     empty = mx.array([], dtype=mx.int32)
     return (empty.reshape(0, kk, c0, c1, counted, S, int(kept), n), empty.reshape(0, sinks, w, *bits, chunk))
 
@@ -639,7 +641,7 @@ def attend(queries, keys, values, codes, lv, nsel, ip, *, n: int, chunk: int, la
         "attend", inputs=[queries, keys, values, codes, lv, nsel, *ip],
         output_shapes=[(BH, NC, G), (BH, NC, G), (BH, NC, G, d), (B, n_q, 1, d)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, values.dtype],
-        grid=(NC * WARPS * 32, BH, 1), threadgroup=(WARPS * 32, 1, 1),
+        grid=(NC * ATTEND_THREADS, BH, 1), threadgroup=(ATTEND_THREADS, 1, 1),
         template=[("T", keys.dtype), ("G", G), ("D", d), ("KS", K), ("NW", WARPS), ("SMEM", _scan_smem(K, G, d)),
                   ("EPL", lane_elems(d, keys.dtype.size)), ("U", ROWS_IN_FLIGHT), ("CodeT", codes.dtype)])
     return out
@@ -650,7 +652,7 @@ def selection_mask(codes, lv, nsel, ip, *, n: int, chunk: int, launch=mlx_launch
     BH, K = lv.shape
     (sel,) = launch(
         "mask", inputs=[codes, lv, nsel, *ip], output_shapes=[(BH, n)], output_dtypes=[mx.uint8],
-        grid=(-(-n // chunk) * WARPS * 32, BH, 1), threadgroup=(WARPS * 32, 1, 1), init_value=0,
+        grid=(-(-n // chunk) * ATTEND_THREADS, BH, 1), threadgroup=(ATTEND_THREADS, 1, 1), init_value=0,
         template=[("KS", K), ("NW", WARPS), ("SMEM", _scan_smem(K)), ("CodeT", codes.dtype)])
     return sel.astype(mx.bool_)
 

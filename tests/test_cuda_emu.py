@@ -7,11 +7,15 @@ This checks the kernels' indices and logic on any machine, the shapes no GPU run
 not check the GPU's memory model, timing or compiler: tests/test_gpu.py does, on MLX CUDA.
 """
 
+from functools import partial
+
 import a2ats_ref  # noqa: F401  (before mlx: BLAS preload)
 import mlx.core as mx
+import numpy as np
 import pytest
 
-from a2ats_ref import cuda_decode
+from a2ats_ref import cuda_decode, fast_decode
+from a2ats_ref.retrieval import topk_count
 
 cuda_emu = pytest.importorskip("cuda_emu")
 pytestmark = pytest.mark.skipif(not cuda_emu.available(), reason="needs g++ (C++20) to build the host emulator")
@@ -82,19 +86,19 @@ def test_compare_parts_refuses_a_shape_the_kernels_cannot_hold():
         cuda_decode.compare_parts(T=500, n_q=8, n_kv=1, d=256, K=64, launch=cuda_emu.emulate)
 
 
+@pytest.fixture
+def host_kernels(monkeypatch):
+    """decode_step_fast(method="cuda") on this machine: the CUDA step's kernels launched by the host emulator."""
+    monkeypatch.setattr(cuda_decode, "on_cuda", lambda: True)
+    monkeypatch.setattr(cuda_decode, "_kernels", lambda: {k: partial(cuda_emu.emulate, k) for k in cuda_decode.KERNELS})
+
+
 @pytest.mark.parametrize("traditional,tables,dtype", [(True, True, mx.float32), (False, True, mx.float16),
                                                       (True, False, mx.bfloat16)])
-def test_decode_step_through_the_host_kernels_matches_the_portable_step(monkeypatch, traditional, tables, dtype):
+def test_decode_step_through_the_host_kernels_matches_the_portable_step(host_kernels, traditional, tables, dtype):
     # What compare_parts does not reach, through decode_step_fast(method="cuda") as the cache calls it: batch 2 (rows
     # b * n_kv + h), traditional RoPE, the model's applied-angle tables, kept counts corrected by the coded window
     # tail, and a query before the buffer's end (the mask padded from n to n_tokens).
-    import numpy as np
-    from functools import partial
-
-    from a2ats_ref import fast_decode
-
-    monkeypatch.setattr(cuda_decode, "on_cuda", lambda: True)
-    monkeypatch.setattr(cuda_decode, "_kernels", lambda: {k: partial(cuda_emu.emulate, k) for k in cuda_decode.KERNELS})
     rng = np.random.default_rng(5)
     B, n_q, n_kv, d, K, T_buf, n_tokens, i, w = 2, 8, 2, 32, 64, 1200, 1100, 1049, 64
     arr = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))
@@ -117,19 +121,11 @@ def test_decode_step_through_the_host_kernels_matches_the_portable_step(monkeypa
     assert np.abs(o - r).max() <= ATTN_BOUND[dtype] * np.abs(r).max()
 
 
-def test_kept_counts_lose_exactly_the_coded_window(monkeypatch):
+def test_kept_counts_lose_exactly_the_coded_window(host_kernels):
     # The select kernel subtracts the sinks' and the coded window tail's codes from the kept counts. Crafted so
     # one count decides: b = the query position (EQ-12 rotates by nothing), code 0 = q and code 1 = -q, the top
     # code 0 on kk - 1 candidates and on every window token. Corrected, the kk-th score is a code-1 tie and every
     # candidate is taken; one window code left in (a count of kk) would make code 0 a whole level-1 set alone.
-    import numpy as np
-    from functools import partial
-
-    from a2ats_ref import fast_decode
-    from a2ats_ref.retrieval import topk_count
-
-    monkeypatch.setattr(cuda_decode, "on_cuda", lambda: True)
-    monkeypatch.setattr(cuda_decode, "_kernels", lambda: {k: partial(cuda_emu.emulate, k) for k in cuda_decode.KERNELS})
     d, K, n, w, sinks, topk = 32, 2, 600, 16, 2, 0.05
     _, c0, c1 = fast_decode._regions(n, w, sinks)
     kk = topk_count(n, topk, c1 - c0)

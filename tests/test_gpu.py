@@ -232,7 +232,7 @@ def test_chunks_fill_the_gpu_and_stay_in_the_shared_token_list():
     # of the block's threads
     assert cuda_decode.chunk_for(262144, 8) == 2048 and -(-262144 // 2048) * 8 == cuda_decode.TARGET_BLOCKS
     assert cuda_decode.chunk_for(10**7, 8) == cuda_decode.CHUNK_MAX
-    assert cuda_decode.chunk_for(16384, 8) == 256 and cuda_decode.chunk_for(10, 1) == cuda_decode.WARPS * 32
+    assert cuda_decode.chunk_for(16384, 8) == 256 and cuda_decode.chunk_for(10, 1) == cuda_decode.ATTEND_THREADS
     assert cuda_decode.chunk_for(65536, 8) == 512
 
 
