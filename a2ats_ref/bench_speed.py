@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import fast_decode
+from .codes import code_dtype, mx_code_dtype
 
 LLAMA31_8B = dict(n_q=32, n_kv=8, d=128)
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -60,7 +61,7 @@ def decode_step_inputs(T: int, dtype, *, n_q: int, n_kv: int, d: int, K: int = 4
     cache = KVCache()
     k, v = cache.update_and_fetch(mx.random.normal((1, n_kv, T, d)).astype(dtype),
                                   mx.random.normal((1, n_kv, T, d)).astype(dtype))
-    codes = mx.random.randint(0, K, (1, n_kv, T)).astype(mx.uint16 if K > 256 else mx.uint8)
+    codes = mx.random.randint(0, K, (1, n_kv, T)).astype(mx_code_dtype(K))
     C = mx.random.normal((n_kv, K, d)) * 0.3
     CT = fast_decode.prepare_codebook(C)
     mx.eval(q, k, v, codes, CT)
@@ -267,7 +268,7 @@ def library_decode_case(T: int, dtype_name: str, *, tokens: int = 8, rounds: int
     dense = make_prompt_cache(model)
     k = mx.random.normal((1, n_kv, T, d)).astype(dt)
     v = mx.random.normal((1, n_kv, T, d)).astype(dt)
-    codes = mx.random.randint(0, K, (1, n_kv, T)).astype(mx.uint16 if K > 256 else mx.uint8)
+    codes = mx.random.randint(0, K, (1, n_kv, T)).astype(mx_code_dtype(K))
     mx.eval(k, v, codes)
     dense[0].state = (k, v, T)
     a2ats[0].state = (k, v, codes)
@@ -385,7 +386,7 @@ def cache_update_table(Ts, *, shape=None, K: int = 4096, reps: int = 3, dtype: s
         _log(f"  cache update T={T}" + (f", {layers} layers" if layers > 1 else ""))
         k0 = mx.random.normal((1, n_kv, T, d)).astype(dt)
         v0 = mx.random.normal((1, n_kv, T, d)).astype(dt)
-        c0 = mx.random.randint(0, K, (1, n_kv, T)).astype(mx.uint16 if K > 256 else mx.uint8)
+        c0 = mx.random.randint(0, K, (1, n_kv, T)).astype(mx_code_dtype(K))
         mx.eval(k0, v0, c0)
         caches = {"kvcache": [KVCache() for _ in lcs]}
         for c in caches["kvcache"]:
@@ -470,7 +471,7 @@ def memory_table(Ts, *, shape=None, K: int = 4096, dtype: str = "float16") -> di
     shape = dict(LLAMA31_8B if shape is None else shape)
     n_kv, d = shape["n_kv"], shape["d"]
     item = mx.zeros((), DTYPES[dtype]).itemsize
-    code_item = 2 if K > 256 else 1
+    code_item = code_dtype(K).itemsize
     cb = _layer_codebook(n_kv, d, K)
     rows = []
     for T in Ts:
@@ -524,7 +525,7 @@ def _bytes_per_token(model, ctx: int, *, n_layers: int, n_q: int, n_kv: int, d: 
     dense_kv = 2 * n_layers * n_kv * ctx * d * itemsize
     rows = selection_size(ctx, n_q=n_q, n_kv=n_kv, w=w, sinks=sinks, topk=topk)
     gathered = 2 * n_layers * n_kv * rows * d * itemsize
-    codes = n_layers * n_kv * ctx * (2 if K > 256 else 1)
+    codes = n_layers * n_kv * ctx * code_dtype(K).itemsize
     codebook = n_layers * n_kv * d * K * 4 * (1 + 1 / (w + 1))
     dense, a2ats = weights + dense_kv, weights + gathered + codes + codebook
     return {"weights": int(weights), "dense_kv": int(dense_kv), "a2ats_gathered_kv": int(gathered),

@@ -713,13 +713,14 @@ def usable(*, dtype=None, G: int | None = None, n_kv: int | None = None, d: int 
 
 def _random_case(*, T, n_q, n_kv, d, K, dtype, seed):
     from . import fast_decode
+    from .codes import code_dtype
 
     rng = np.random.default_rng(seed)
     x = dict(
         q=mx.array(rng.standard_normal((1, n_q, 1, d)).astype(np.float32)).astype(dtype),
         k=mx.array(rng.standard_normal((1, n_kv, T, d)).astype(np.float32)).astype(dtype),
         v=mx.array(rng.standard_normal((1, n_kv, T, d)).astype(np.float32)).astype(dtype),
-        codes=mx.array(rng.integers(0, K, (1, n_kv, T)).astype(np.uint16 if K > 256 else np.uint8)),
+        codes=mx.array(rng.integers(0, K, (1, n_kv, T)).astype(code_dtype(K))),
         C=rng.standard_normal((n_kv, K, d)).astype(np.float32),
         inv=(1.0 / 10000.0 ** (np.arange(0, d, 2) / d)).astype(np.float32))
     x["CT"] = fast_decode.prepare_codebook(mx.array(x["C"]))
