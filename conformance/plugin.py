@@ -20,6 +20,7 @@ import os
 import time
 
 import pytest
+from a2ats_ref.suite_env import publish as _publish_jit_modules
 from hypothesis import HealthCheck, Phase, settings
 
 from . import capabilities as _caps
@@ -376,6 +377,10 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionstart(session):
     session.config.stash[_STATE]["t0"] = time.time()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    _publish_jit_modules()   # for the workers and runs that start later (a2ats_ref.suite_env says why)
 
 
 def pytest_unconfigure(config):

@@ -4,11 +4,15 @@
 import json
 
 # Full float32 matmuls on GPUs and a JIT cache of this process's own, before MLX runs (suite_env says why).
-from a2ats_ref.suite_env import pin_suite_process  # noqa: E402
+from a2ats_ref.suite_env import pin_suite_process, publish  # noqa: E402
 
 pin_suite_process()
 
 import pytest
+
+
+def pytest_runtest_teardown(item, nextitem):
+    publish()   # the kernels this test compiled, for the subprocesses later tests start (suite_env says why)
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ Run on any backend; the GPU-only checks skip with the reason on a machine withou
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import a2ats_ref  # noqa: F401  (before mlx: BLAS preload)
 import mlx.core as mx
@@ -321,3 +322,60 @@ def test_every_suite_process_gets_a_jit_cache_of_its_own():
     user = {k: v for k, v in os.environ.items() if k != OWNER}
     d, owner, _, _, tf32 = _child_jit_cache(dict(user, MLX_PTX_CACHE_DIR=mine, MLX_ENABLE_TF32="1"))
     assert d == mine and owner == "None" and tf32 == "1"
+
+
+def test_a_child_starts_with_the_modules_that_earlier_children_compiled():
+    # One directory per process made every conformance subprocess compile every kernel again (H200, 6326bfc: the
+    # test run went past 575 s). A child publishes its modules to the pool when it exits; the next one starts
+    # with them, and a file MLX never reads (a .cu, a half-copied ".part-") does not travel.
+    from a2ats_ref.suite_env import POOL
+
+    pool = os.environ[POOL]
+    assert os.path.isdir(pool)
+    writes = ("import os, pathlib; from a2ats_ref.suite_env import pin_suite_process; pin_suite_process(); "
+              "d = pathlib.Path(os.environ['MLX_PTX_CACHE_DIR']); (d / 'n').mkdir(); "
+              "[(d / f).write_text(f) for f in ('m1.ptx', 'm1.txt', 'm1.cu', 'n/m2.ptx', 'n/m2.txt', '.part-x')]")
+    reads = ("import os, pathlib; from a2ats_ref.suite_env import pin_suite_process; pin_suite_process(); "
+             "d = pathlib.Path(os.environ['MLX_PTX_CACHE_DIR']); "
+             "print(sorted(str(p.relative_to(d)) + '=' + p.read_text() for p in d.rglob('*') if p.is_file()))")
+    env = dict(os.environ)
+    subprocess.run([sys.executable, "-c", writes], env=env, check=True)
+    seen = subprocess.run([sys.executable, "-c", reads], env=env, capture_output=True, text=True, check=True).stdout
+    assert seen.strip() == str(["m1.ptx=m1.ptx", "m1.txt=m1.txt", "n/m2.ptx=n/m2.ptx", "n/m2.txt=n/m2.txt"])
+
+
+def test_a_module_enters_the_pool_names_first(tmp_path, monkeypatch):
+    # MLX reads a module once its .ptx exists, then its kernel names from the .txt: a .ptx renamed into the pool
+    # before its .txt could be read with no names, the same broken load as a half-written file.
+    from a2ats_ref import suite_env
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "n").mkdir(parents=True)
+    for f in ("a.ptx", "a.txt", "n/b.ptx", "n/b.txt"):
+        (src / f).write_text(f)
+    order = []
+    place = suite_env._place
+    monkeypatch.setattr(suite_env, "_place", lambda s, d: (order.append(d.relative_to(dst).as_posix()), place(s, d)))
+    assert suite_env.copy_modules(src, dst) == 2
+    assert sorted(order) == ["a.ptx", "a.txt", "n/b.ptx", "n/b.txt"]
+    assert order.index("a.txt") < order.index("a.ptx") and order.index("n/b.txt") < order.index("n/b.ptx")
+    assert suite_env.copy_modules(src, dst) == 0   # what the pool has is not copied again
+    assert not list(dst.rglob(".part-*"))
+
+
+def test_a_test_publishes_what_it_compiled(tmp_path):
+    # conftest publishes after every test: the pytest workers live until the run ends, and the conformance
+    # subprocesses that tests start need what the workers compiled.
+    from a2ats_ref import suite_env
+
+    mine, pool = Path(os.environ["MLX_PTX_CACHE_DIR"]), Path(os.environ[suite_env.POOL])
+    name = f"a2ats-test-{os.getpid()}"
+    for ext in (".txt", ".ptx"):
+        (mine / (name + ext)).write_text(ext)
+    try:
+        suite_env.publish()
+        assert (pool / (name + ".ptx")).read_text() == ".ptx" and (pool / (name + ".txt")).read_text() == ".txt"
+    finally:
+        for d in (mine, pool):
+            for ext in (".txt", ".ptx"):
+                (d / (name + ext)).unlink(missing_ok=True)
