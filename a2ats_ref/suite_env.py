@@ -20,8 +20,9 @@ through the environment:
   its compiles is in flight, since MLX compiles in the thread that evaluates. Each
   file is copied under a temporary name and renamed into place, ``.txt`` before ``.ptx``: MLX reads a module only
   when its ``.ptx`` exists, so a module in the pool is always whole;
-- a new process copies the pool into its private directory before MLX starts, so a conformance subprocess that a
-  test starts after another one has exited compiles nothing.
+- a new process copies the pool into its private directory before MLX starts, and a test worker copies what is
+  new after each test. MLX looks in its directory on every module it lacks in memory, so a kernel that one
+  worker compiled is compiled by no other that starts a test later.
 
 Child processes (pytest-xdist workers, the conformance CLI's workers) inherit the parent's environment, so the
 directory and the pool are tagged with the pid that made them, and a process that is not that pid makes its own
@@ -83,10 +84,16 @@ def _publish_and_remove(private: str, pool: str | None) -> None:
     shutil.rmtree(private, ignore_errors=True)
 
 
-def publish() -> None:
-    """Publish this process's compiled modules to the pool; call it between tests, never during an evaluation."""
+def exchange() -> None:
+    """Publish this process's compiled modules to the pool and take the ones it lacks; call it between tests.
+
+    Between tests no compile of this process is in flight, and pool files are whole by construction, so MLX,
+    which looks in its directory on every miss, then finds what the other workers compiled.
+    """
     if os.environ.get(OWNER) == str(os.getpid()) and os.path.isdir(os.environ.get(POOL, "")):
-        copy_modules(Path(os.environ["MLX_PTX_CACHE_DIR"]), Path(os.environ[POOL]))
+        mine, pool = Path(os.environ["MLX_PTX_CACHE_DIR"]), Path(os.environ[POOL])
+        copy_modules(mine, pool)
+        copy_modules(pool, mine)
 
 
 def pin_suite_process() -> None:

@@ -4,7 +4,7 @@
 import json
 
 # Full float32 matmuls on GPUs and a JIT cache of this process's own, before MLX runs (suite_env says why).
-from a2ats_ref.suite_env import pin_suite_process, publish  # noqa: E402
+from a2ats_ref.suite_env import exchange, pin_suite_process  # noqa: E402
 
 pin_suite_process()
 
@@ -12,7 +12,7 @@ import pytest
 
 
 def pytest_runtest_teardown(item, nextitem):
-    publish()   # the kernels this test compiled, for the subprocesses later tests start (suite_env says why)
+    exchange()   # share the kernels compiled so far with the other workers and later subprocesses (suite_env)
 
 
 @pytest.fixture(autouse=True)

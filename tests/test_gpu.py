@@ -6,7 +6,6 @@ Run on any backend; the GPU-only checks skip with the reason on a machine withou
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import a2ats_ref  # noqa: F401  (before mlx: BLAS preload)
 import mlx.core as mx
@@ -324,24 +323,24 @@ def test_every_suite_process_gets_a_jit_cache_of_its_own():
     assert d == mine and owner == "None" and tf32 == "1"
 
 
-def test_a_child_starts_with_the_modules_that_earlier_children_compiled():
+def test_a_child_starts_with_the_modules_that_earlier_children_compiled(tmp_path):
     # One directory per process made every conformance subprocess compile every kernel again (H200, 6326bfc: the
     # test run went past 575 s). A child publishes its modules to the pool when it exits; the next one starts
-    # with them, and a file MLX never reads (a .cu, a half-copied ".part-") does not travel.
-    from a2ats_ref.suite_env import POOL
+    # with them, and a file MLX never reads (a .cu, a half-copied ".part-") does not travel. The children share a
+    # pool of this test's own: on a GPU the run's pool holds real modules.
+    from a2ats_ref.suite_env import POOL, POOL_OWNER
 
-    pool = os.environ[POOL]
-    assert os.path.isdir(pool)
     writes = ("import os, pathlib; from a2ats_ref.suite_env import pin_suite_process; pin_suite_process(); "
               "d = pathlib.Path(os.environ['MLX_PTX_CACHE_DIR']); (d / 'n').mkdir(); "
               "[(d / f).write_text(f) for f in ('m1.ptx', 'm1.txt', 'm1.cu', 'n/m2.ptx', 'n/m2.txt', '.part-x')]")
     reads = ("import os, pathlib; from a2ats_ref.suite_env import pin_suite_process; pin_suite_process(); "
              "d = pathlib.Path(os.environ['MLX_PTX_CACHE_DIR']); "
              "print(sorted(str(p.relative_to(d)) + '=' + p.read_text() for p in d.rglob('*') if p.is_file()))")
-    env = dict(os.environ)
+    env = dict(os.environ, **{POOL: str(tmp_path), POOL_OWNER: "1"})
     subprocess.run([sys.executable, "-c", writes], env=env, check=True)
     seen = subprocess.run([sys.executable, "-c", reads], env=env, capture_output=True, text=True, check=True).stdout
     assert seen.strip() == str(["m1.ptx=m1.ptx", "m1.txt=m1.txt", "n/m2.ptx=n/m2.ptx", "n/m2.txt=n/m2.txt"])
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["m1.ptx", "m1.txt", "m2.ptx", "m2.txt", "n"]
 
 
 def test_a_module_enters_the_pool_names_first(tmp_path, monkeypatch):
@@ -363,19 +362,25 @@ def test_a_module_enters_the_pool_names_first(tmp_path, monkeypatch):
     assert not list(dst.rglob(".part-*"))
 
 
-def test_a_test_publishes_what_it_compiled(tmp_path):
-    # conftest publishes after every test: the pytest workers live until the run ends, and the conformance
-    # subprocesses that tests start need what the workers compiled.
+def test_between_tests_a_worker_shares_what_it_compiled_and_takes_what_others_did(tmp_path, monkeypatch):
+    # conftest calls exchange() after every test: the pytest workers live until the run ends, and each would
+    # otherwise compile every kernel the others already had.
     from a2ats_ref import suite_env
 
-    mine, pool = Path(os.environ["MLX_PTX_CACHE_DIR"]), Path(os.environ[suite_env.POOL])
-    name = f"a2ats-test-{os.getpid()}"
-    for ext in (".txt", ".ptx"):
-        (mine / (name + ext)).write_text(ext)
-    try:
-        suite_env.publish()
-        assert (pool / (name + ".ptx")).read_text() == ".ptx" and (pool / (name + ".txt")).read_text() == ".txt"
-    finally:
-        for d in (mine, pool):
-            for ext in (".txt", ".ptx"):
-                (d / (name + ext)).unlink(missing_ok=True)
+    mine, pool = tmp_path / "mine", tmp_path / "pool"
+    mine.mkdir(), pool.mkdir()
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(mine))
+    monkeypatch.setenv(suite_env.POOL, str(pool))
+    for d, name in ((mine, "compiled-here"), (pool, "compiled-elsewhere")):
+        for ext in (".txt", ".ptx"):
+            (d / (name + ext)).write_text(name + ext)
+    suite_env.exchange()
+    for d in (mine, pool):
+        assert sorted(p.name for p in d.iterdir()) == ["compiled-elsewhere.ptx", "compiled-elsewhere.txt",
+                                                       "compiled-here.ptx", "compiled-here.txt"]
+    assert (mine / "compiled-elsewhere.ptx").read_text() == "compiled-elsewhere.ptx"
+    # another process's directory (a user's, or an inherited one) is left alone
+    monkeypatch.setenv(suite_env.OWNER, "1")
+    (mine / "late.txt").write_text(""), (mine / "late.ptx").write_text("")
+    suite_env.exchange()
+    assert not (pool / "late.ptx").exists()
