@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 import time
 
@@ -111,7 +112,8 @@ SPEED_PROFILES = {
 SPEED_SECTIONS = ("decode", "library", "update", "e2e", "conformance")
 
 
-def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=None, only=None) -> dict:
+def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=None, only=None, res=None) -> dict:
+    """The speed sections, filled into ``res`` as each row completes (so an interrupted run keeps them)."""
     from . import bench_speed as bs
 
     p = dict(SPEED_PROFILES[profile])
@@ -119,12 +121,14 @@ def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=No
         p["Ts"] = p["lib_Ts"] = list(Ts)
     shape = p["shape"] or bs.LLAMA31_8B
     want = set(SPEED_SECTIONS if not only else only)
-    res = {"decode_step_config": dict(shape, K=p["K"], topk=0.03, w=64, sinks=8, b=2048, batch=1,
-                                      baseline="mlx_lm.models.base.scaled_dot_product_attention over a KVCache",
-                                      a2ats="a2ats_ref.fast_decode.decode_step_fast (method=auto)",
-                                      timing="interleaved repetitions after warm-up; mx.eval sync; medians")}
-    res["decode_step"] = (bs.decode_step_table(p["Ts"], p["dtypes"], reps=p["reps"], shape=shape, K=p["K"])
-                          if "decode" in want else [])
+    res = {} if res is None else res
+    res["decode_step_config"] = dict(shape, K=p["K"], topk=0.03, w=64, sinks=8, b=2048, batch=1,
+                                     baseline="mlx_lm.models.base.scaled_dot_product_attention over a KVCache",
+                                     a2ats="a2ats_ref.fast_decode.decode_step_fast (method=auto)",
+                                     timing="interleaved repetitions after warm-up; mx.eval sync; medians")
+    res["decode_step"] = []
+    if "decode" in want:
+        bs.decode_step_table(p["Ts"], p["dtypes"], reps=p["reps"], shape=shape, K=p["K"], rows=res["decode_step"])
     if "decode" in want and "float32" in p["dtypes"] and len(p["dtypes"]) > 1:
         _log("A2ATS decode step: each dtype against float32, interleaved")
         res["dtype_ratio"] = [bs.dtype_ratio_case(T, p["dtypes"], reps=PAIRED_REPS_PER_REP * p["reps"], K=p["K"],
@@ -324,20 +328,34 @@ def main(argv=None) -> int:
         if args.what != "fidelity":
             ap.error("--profile authors: only for fidelity")
         profile = {"tiny": "authors-tiny", "quick": "authors-quick"}.get(profile, "authors")
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()   # only it may set a signal handler
+    old_term = signal.signal(signal.SIGTERM, _term_as_interrupt) if main_thread else None
     try:
         return _run(args, profile)
-    except KeyboardInterrupt:
-        print("a2ats-bench: interrupted; nothing was written", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        kept = exc.args[0] if exc.args else None
+        print(f"a2ats-bench: interrupted; {f'what was measured is in {kept}' if kept else 'nothing was written'}",
+              file=sys.stderr)
         return 130
     except (ValueError, OSError) as exc:  # output paths are checked first; these are user-fixable
         where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
         print(f"a2ats-bench: error: {where}{exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}",
               file=sys.stderr)
         return 2
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _term_as_interrupt(signum, frame):
+    raise KeyboardInterrupt   # SIGTERM (timeout(1), a cancelled job) ends a run as Ctrl-C does
 
 
 def _run(args, profile: str) -> int:
-    """Exit codes: 0 results written, 2 usage or input error (message on stderr), 130 interrupted."""
+    """Exit codes: 0 results written, 2 usage or input error (message on stderr), 130 interrupted (Ctrl-C or
+    SIGTERM; a speed run that measured something keeps it in ``<json>.partial``, marked ``"partial": true``)."""
     from .fileio import check_writable
 
     check_writable(args.json, "--json")  # before minutes of benchmarking, not after
@@ -353,8 +371,18 @@ def _run(args, profile: str) -> int:
     res = {"schema_version": SCHEMA_VERSION, "benchmark": args.what, "profile": profile,
            "machine": machine(tuned)}
     if args.what == "speed":
-        res.update(run_speed(profile, e2e=not args.no_e2e, conformance=not args.no_conformance, Ts=args.Ts,
-                             only=args.only_sections))
+        before = set(res) | {"decode_step_config"}
+        try:
+            run_speed(profile, e2e=not args.no_e2e, conformance=not args.no_conformance, Ts=args.Ts,
+                      only=args.only_sections, res=res)
+        except KeyboardInterrupt:
+            if not any(res[k] for k in set(res) - before):   # nothing measured yet
+                raise
+            kept = str(args.json) + ".partial"   # never the --json path: a reader of it expects a whole run
+            res["wall_s"], res["partial"] = round(time.perf_counter() - t0, 2), True
+            with open(kept, "w") as f:
+                json.dump(res, f, indent=1)
+            raise KeyboardInterrupt(kept) from None
     else:
         res.update(run_fidelity(profile, partial=str(args.json) + ".partial"))
     res["wall_s"] = round(time.perf_counter() - t0, 2)

@@ -204,9 +204,11 @@ def dtype_ratio_case(T: int, dtypes, *, reps: int, n_q: int, n_kv: int, d: int, 
             "time_over_float32_quartiles": {n: [r["q25"], r["q75"]] for n, r in ratios.items()}}
 
 
-def decode_step_table(Ts, dtypes, *, reps: int, shape=None, K: int = 4096, progress: bool = True) -> list:
+def decode_step_table(Ts, dtypes, *, reps: int, shape=None, K: int = 4096, progress: bool = True,
+                      rows=None) -> list:
+    """One row per (T, dtype), appended to ``rows`` as each completes."""
     shape = dict(LLAMA31_8B if shape is None else shape)
-    rows = []
+    rows = [] if rows is None else rows
     for T in Ts:
         for dt in dtypes:
             if progress:

@@ -1,6 +1,8 @@
 """a2ats-bench: the CI smoke run of `speed --quick`, `fidelity --tiny`, and the JSON schema consumers rely on."""
 
 import json
+import signal
+import time
 
 import pytest
 
@@ -202,3 +204,49 @@ def test_machine_block_names_the_gpu_memory_under_either_key():
     assert g["name"] == "NVIDIA H200" and g["memory_bytes"] == 150_000_000_000 and g["mlx_backend"] == "cuda"
     assert g["device_info"]["architecture"] == "sm_90"
     assert bench._gpu(fake({"device_name": "M3", "memory_size": 17}))["memory_bytes"] == 17
+
+
+def _interrupt_at_call(monkeypatch, n, how):
+    """Make the decode table's n-th case stop the run (``how``: "ctrl-c" or "sigterm")."""
+    import os
+
+    from a2ats_ref import bench_speed
+
+    real, calls = bench_speed.decode_step_case, []
+
+    def case(*a, **kw):
+        calls.append(a)
+        if len(calls) == n:
+            if how == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)   # the handler raises here
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(bench_speed, "decode_step_case", case)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_speed_run_keeps_the_rows_it_measured(tmp_path, monkeypatch, capsys, how):
+    # A GPU bench stopped by a time limit (timeout(1) sends SIGTERM) used to write nothing: 6 of 9 rows lost.
+    import threading
+
+    if how == "sigterm" and threading.current_thread() is not threading.main_thread():
+        pytest.skip("only the main thread can take SIGTERM as an exception; here the signal would end pytest")
+    out = tmp_path / "speed.json"
+    _interrupt_at_call(monkeypatch, 2, how)
+    term_before = signal.getsignal(signal.SIGTERM)
+    assert bench.main(["speed", "--tiny", "--only", "decode", "--json", str(out)]) == 130
+    assert not out.exists()   # the --json path is for whole runs only
+    kept = json.loads((tmp_path / "speed.json.partial").read_text())
+    assert kept["partial"] is True and [r["T"] for r in kept["decode_step"]] == [512]
+    assert kept["decode_step"][0]["dense_ms"] > 0 and kept["machine"]
+    assert "speed.json.partial" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is term_before   # the run's SIGTERM handler is put back
+
+
+def test_a_speed_run_interrupted_before_any_row_writes_nothing(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "speed.json"
+    _interrupt_at_call(monkeypatch, 1, "ctrl-c")
+    assert bench.main(["speed", "--tiny", "--only", "decode", "--json", str(out)]) == 130
+    assert not out.exists() and not (tmp_path / "speed.json.partial").exists()
+    assert "nothing was written" in capsys.readouterr().err
