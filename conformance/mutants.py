@@ -18,7 +18,7 @@ from a2ats_spec import oracle as _o
 
 from .adapters.reference import ReferenceAdapter, ReferenceCache
 
-__all__ = ["MUTANTS", "COVERAGE_MUTANTS", "Mutant"]
+__all__ = ["MUTANTS", "COVERAGE_MUTANTS", "GAP_MUTANTS", "Mutant"]
 
 
 def _np(x):
@@ -362,3 +362,50 @@ class ChunkRerotated(Mutant):
 COVERAGE_MUTANTS = {cls.__name__: cls for cls in (
     Float16Lut, BatchRowsReadRowZero, PositionsLowPrecision, HostPathHeadZero, ChunkRerotated,
 )}
+
+
+# --------------------------------------------------------------------------- gap mutants (audit of session 8)
+# Bugs the suite of commit 4fc9dfb let through at the ci profile, every clause run (a port-writer's audit of 20
+# new mutants, 12 survivors). Each class names the clause that must reject it (expected_clause), the property
+# that now does (gap: "file::test"), and, where the diagnosis catalogue has it, the known deviation its failure
+# must name (expected_cause, an id of conformance/deviations.py).
+GAP_MUTANTS: dict = {}
+
+
+def _gap(cls):
+    GAP_MUTANTS[cls.__name__] = cls
+    return cls
+
+
+# ---- gaps in EQ-10 and EQ-17 (query moment, k-means)
+
+
+
+
+
+
+
+
+
+
+# ---- gaps in ROPE-FREQ, RET-TOPK and INPUT-ERRORS
+
+
+
+
+
+
+
+
+
+
+# ---- gaps in the decode scale and the cache (RET-DECODE, CACHE-*, CODES-DTYPE)
+
+
+
+
+
+
+
+
+
