@@ -635,6 +635,12 @@ DEVIATIONS: tuple[Deviation, ...] = (
          _model("TopkCeil", "ceil", count=lambda self, n, topk, nc: (
              _o.topk_count(n, topk, nc) if isinstance(topk, (int, np.integer)) else
              (math.ceil(float(topk) * n) if nc is None else min(math.ceil(float(topk) * n), nc))))),
+    _dev("topk-float32", "top-k count from a float32 product, int(float32(topk)·float32(n)) (the authors' PyTorch "
+         "arithmetic), instead of int() of the float64 product: off by one where topk·n is an integer",
+         {"topk_count"} | _SELECT,
+         _model("TopkFloat32", "float32 product", count=lambda self, n, topk, nc: (
+             _o.topk_count(n, topk, nc) if isinstance(topk, (int, np.integer)) else
+             min(int(np.float32(topk) * np.float32(n)), n if nc is None else nc)))),
     _dev("duplicate-tokens", "duplicate tokens in the softmax: a sink/window token also picked by top-k is "
          "attended twice (top-k not restricted to the non-forced candidates, no de-duplication)", _SELECT,
          _model("Duplicates", "multiset", duplicates=lambda self: True)),

@@ -21,6 +21,7 @@ from . import capabilities
 
 __all__ = [
     "MAX_POSITION", "head_dims", "rope_params", "layouts", "topk_values", "topk_for_count", "gqa_heads", "positions", "spd_matrices",
+    "rope_scaling_dict", "LLAMA3_OPTIONAL",
     "rng_from", "as_strategy", "normal", "codebook_case", "scores_case", "kmeans_points",
     "LONG_POSITION", "max_positions",
 ]
@@ -90,6 +91,22 @@ def topk_for_count(k: int, n_visible: int):
     return f
 
 
+#: ROPE-FREQ's optional llama3 keys -> values a config may give (the spec's default first; every low value is
+#: below every high one). rope_params leaves each out at random, so a port's own defaults are read.
+LLAMA3_OPTIONAL = {"low_freq_factor": (1.0, 2.0), "high_freq_factor": (4.0, 8.0),
+                   "original_max_position_embeddings": (8192, 4096, 32768)}
+#: How a config names the type (ROPE-FREQ reads it as mlx-lm does: ``type``, else ``rope_type``); HF configs
+#: often carry both.
+ROPE_TYPE_KEYS = ("type", "rope_type", "both")
+
+
+def rope_scaling_dict(kind: str, type_key: str = "rope_type") -> dict:
+    """``{"type" or "rope_type" (or both): kind}``, the start of a rope_scaling config."""
+    if type_key not in ROPE_TYPE_KEYS:
+        raise ValueError(f"type_key: expected one of {ROPE_TYPE_KEYS}, got {type_key!r}")
+    return {k: kind for k in (("type", "rope_type") if type_key == "both" else (type_key,))}
+
+
 @st.composite
 def rope_params(draw, *, head_dim=None, max_dim: int = 64, scaled: bool = True):
     """{'d', 'base', 'scaling', 'traditional', 'inv_freqs'} with inv_freqs from the oracle (float64)."""
@@ -100,11 +117,16 @@ def rope_params(draw, *, head_dim=None, max_dim: int = 64, scaled: bool = True):
     kinds = ["default", "linear", "llama3"] if scaled else ["default"]
     kind = draw(st.sampled_from(kinds), label="rope_type")
     scaling = None
+    if kind != "default" or draw(st.booleans(), label="explicit_default"):
+        scaling = rope_scaling_dict(kind, draw(st.sampled_from(ROPE_TYPE_KEYS), label="type_key"))
     if kind == "linear":
-        scaling = {"type": "linear", "factor": draw(st.sampled_from([2.0, 4.0, 8.0]), label="factor")}
+        scaling["factor"] = draw(st.sampled_from([2.0, 4.0, 8.0]), label="factor")
     elif kind == "llama3":
-        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
+        scaling["factor"] = draw(st.sampled_from([8.0, 2.0, 32.0]), label="factor")
+        for key, values in LLAMA3_OPTIONAL.items():   # each left out (the spec's default) or given, default or not
+            value = draw(st.one_of(st.none(), st.sampled_from(values)), label=key)
+            if value is not None:
+                scaling[key] = value
     traditional = draw(layouts(), label="traditional")
     inv = oracle.rope_inv_freqs(d, base, scaling)
     return {"d": d, "base": base, "scaling": scaling, "traditional": traditional, "inv_freqs": inv}

@@ -389,6 +389,77 @@ def _gap(cls):
 
 
 # ---- gaps in ROPE-FREQ, RET-TOPK and INPUT-ERRORS
+@_gap
+class Llama3WrongDefaults(Mutant):
+    expected_clause = "ROPE-FREQ"
+    bug = ("llama3 scaling: a left-out original_max_position_embeddings defaults to 4096 and high_freq_factor to 2 "
+           "(spec and mlx-lm: 8192 and 4)")
+    gap = "test_rope.py::test_inv_freqs_match_oracle"
+
+    def rope_inv_freqs(self, head_dim, base, scaling=None):
+        if isinstance(scaling, dict) and (scaling.get("type") or scaling.get("rope_type")) == "llama3":
+            scaling = {"original_max_position_embeddings": 4096, "high_freq_factor": 2.0, **scaling}
+        return self._ref.rope_inv_freqs(head_dim, base, scaling)
+
+
+@_gap
+class TopkFloat32(Mutant):
+    expected_clause = "RET-TOPK"
+    bug = "top-k count from a float32 product, int(float32(topk) * float32(T)), as the authors' PyTorch computes it"
+    gap = "test_retrieval.py::test_topk_count_matches_oracle"
+    expected_cause = "topk-float32"
+
+    def topk_count(self, T, topk, n_candidates=None):
+        if isinstance(topk, float):
+            n = int(np.float32(topk) * np.float32(T))
+            return n if n_candidates is None else min(n, n_candidates)
+        return self._ref.topk_count(T, topk) if n_candidates is None else self._ref.topk_count(T, topk, n_candidates)
+
+
+@_gap
+class SelectClampsQueryPos(Mutant):
+    expected_clause = "INPUT-ERRORS"
+    bug = "select_tokens clamps query_pos into [0, T - 1] instead of raising ValueError"
+    gap = "test_input_errors.py::test_select_tokens_rejects_query_pos_out_of_range"
+
+    def select_tokens(self, scores, *, query_pos, **kw):
+        T = np.asarray(scores).shape[-1]
+        return self._ref.select_tokens(scores, query_pos=min(max(int(query_pos), 0), T - 1), **kw)
+
+
+@_gap
+class TokenScoresClipsCodes(Mutant):
+    expected_clause = "INPUT-ERRORS"
+    bug = "token_scores gathers with clipped indices (mx.take does no bounds check): a code >= K reads LUT[K - 1]"
+    gap = "test_input_errors.py::test_token_scores_rejects_codes_out_of_range"
+
+    def token_scores(self, lut, codes):
+        K = np.asarray(lut).shape[-1]
+        c = np.asarray(codes)
+        return self._ref.token_scores(lut, np.clip(c.astype(np.int64), 0, K - 1).astype(c.dtype))
+
+
+@_gap
+class DecodeClampsQueryPos(Mutant):
+    expected_clause = "INPUT-ERRORS"
+    bug = "decode_step clamps query_pos into [0, T - 1] (the cache's length) instead of raising ValueError"
+    gap = "test_input_errors.py::test_decode_step_rejects_query_pos_out_of_range"
+
+    def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, **kw):
+        T = np.asarray(k_post).shape[-2]
+        return self._ref.decode_step(q_post, k_post, v, codes, C, query_pos=min(max(int(query_pos), 0), T - 1), **kw)
+
+
+@_gap
+class DecodeWrapsCodes(Mutant):
+    expected_clause = "INPUT-ERRORS"
+    bug = "decode_step reduces codes modulo K (a wrapping gather) instead of raising ValueError on codes outside [0, K)"
+    gap = "test_input_errors.py::test_decode_step_rejects_codes_out_of_range"
+
+    def decode_step(self, q_post, k_post, v, codes, C, **kw):
+        K = np.asarray(C).shape[-2]
+        c = np.asarray(codes)
+        return self._ref.decode_step(q_post, k_post, v, (c.astype(np.int64) % K).astype(np.uint16), C, **kw)
 
 
 

@@ -92,3 +92,99 @@ def test_negative_w_or_b(ctx, seed, which, value):
     ctx.note(seed=seed, **kw)
     ctx.expect_value_error("wrope_scores", hh.normal(rng, (3, 8)), hh.normal(rng, (5, 8)), inv_freqs=_INV8,
                            traditional=_layout(), what=f"negative {which}={value}", **kw)
+
+
+# --------------------------------------------------------------------------- query_pos and codes out of range
+# INPUT-ERRORS: `0 ≤ query_pos ≤ T − 1` (RET-SELECT, RET-DECODE) and codes are integers in `[0, K)` (RET-LUT,
+# RET-DECODE); the message names the argument. A port that clamps query_pos, or gathers with clipped or wrapped
+# indices (mx.take and torch.gather on some devices do no bounds check), answers instead of raising.
+
+def _named(ctx, msg: str, param: str, what: str) -> None:
+    if param not in msg:
+        ctx.fail("INPUT-ERRORS", f"{what}: the ValueError must name the argument {param!r}, got: {msg!r}")
+
+
+def _bad_query_pos(T: int):
+    return st.sampled_from([T, T + 5, -1])
+
+
+@st.composite
+def _decode_inputs(draw):
+    """A valid decode_step input (query at T − 1) and its head counts; codes in [0, K) of code_dtype(K)."""
+    n_q, n_kv = draw(hh.gqa_heads(max_kv=2, max_group=2), label="heads")
+    T = draw(st.integers(1, 10), label="T")
+    K = draw(st.sampled_from([1, 3, 16, 255, 256, 300]), label="K")
+    seed = draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    d = 8
+    kw = dict(query_pos=T - 1, b=64, w=draw(st.integers(0, 3), label="w"), sinks=draw(st.integers(0, 2), label="sinks"),
+              topk=draw(hh.topk_values()), inv_freqs=_INV8, traditional=_layout())
+    args = (hh.normal(rng, (n_q, d)), hh.normal(rng, (n_kv, T, d)), hh.normal(rng, (n_kv, T, d)),
+            rng.integers(0, K, size=(n_kv, T)).astype(oracle.code_dtype(K)), hh.normal(rng, (n_kv, K, d)))
+    return args, kw, dict(seed=seed, n_q=n_q, n_kv=n_kv, T=T, K=K)
+
+
+@pytest.mark.clause("INPUT-ERRORS", needs=("select_tokens",))
+@given(data=st.data())
+def test_select_tokens_rejects_query_pos_out_of_range(ctx, data):
+    """query_pos = T, T + 5 or −1 for T scored tokens: ValueError naming query_pos (not clamped to T − 1 or 0)."""
+    n_q, n_kv = data.draw(hh.gqa_heads(), label="heads")
+    T = data.draw(st.integers(1, 12), label="T")
+    query_pos = data.draw(_bad_query_pos(T), label="query_pos")
+    seed = data.draw(hh.seeds(), label="seed")
+    kw = dict(n_kv_heads=n_kv, query_pos=query_pos, w=data.draw(st.integers(0, 3), label="w"),
+              sinks=data.draw(st.integers(0, 2), label="sinks"), topk=data.draw(hh.topk_values()))
+    ctx.note(seed=seed, n_q=n_q, T=T, **kw)
+    what = f"query_pos={query_pos} for T={T} scored tokens (need 0 <= query_pos <= T - 1)"
+    msg = ctx.expect_value_error("select_tokens", hh.normal(hh.rng_from(seed), (n_q, T)), what=what, **kw)
+    _named(ctx, msg, "query_pos", f"select_tokens: {what}")
+
+
+@pytest.mark.clause("INPUT-ERRORS", needs=("decode_step",))
+@given(case=_decode_inputs(), data=st.data())
+def test_decode_step_rejects_query_pos_out_of_range(ctx, case, data):
+    """decode_step with query_pos = T, T + 5 or −1 for T cached tokens: ValueError naming query_pos."""
+    args, kw, notes = case
+    T = notes["T"]
+    kw["query_pos"] = data.draw(_bad_query_pos(T), label="query_pos")
+    ctx.note(**notes, query_pos=kw["query_pos"], w=kw["w"], sinks=kw["sinks"], topk=kw["topk"])
+    what = f"query_pos={kw['query_pos']} for T={T} cached tokens (need 0 <= query_pos <= T - 1)"
+    msg = ctx.expect_value_error("decode_step", *args, what=what, **kw)
+    _named(ctx, msg, "query_pos", f"decode_step: {what}")
+
+
+def _bad_codes(data, codes, K: int):
+    """``codes`` with one entry out of [0, K): K itself, K + 3, 255 in uint8 (K < 255), or −1 in a signed array."""
+    options = [("K", K), ("K+3", K + 3), ("-1", -1)] + ([("255 in uint8", 255)] if K < 255 else [])
+    label, bad = data.draw(st.sampled_from(options), label="bad_code")
+    dtype = np.int32 if bad < 0 else (np.uint8 if bad < 256 else np.uint16)
+    out = np.array(codes, dtype=dtype)
+    flat = out.reshape(-1)
+    flat[data.draw(st.integers(0, flat.size - 1), label="bad_index")] = bad
+    return out, f"codes holding {bad} ({label}, dtype {out.dtype.name}) for K={K} codewords (need 0 <= code < K)"
+
+
+@pytest.mark.clause("INPUT-ERRORS", needs=("token_scores",))
+@given(data=st.data())
+def test_token_scores_rejects_codes_out_of_range(ctx, data):
+    """token_scores with a code outside [0, K): ValueError naming codes (no clipped or wrapped gather)."""
+    n_q, n_kv = data.draw(hh.gqa_heads(), label="heads")
+    K = data.draw(st.sampled_from([1, 3, 16, 255, 256, 300]), label="K")
+    T = data.draw(st.integers(1, 12), label="T")
+    seed = data.draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    codes, what = _bad_codes(data, rng.integers(0, K, size=(n_kv, T)), K)
+    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, K=K, T=T, codes=codes.tolist())
+    msg = ctx.expect_value_error("token_scores", hh.normal(rng, (n_q, K)), codes, what=what)
+    _named(ctx, msg, "codes", f"token_scores: {what}")
+
+
+@pytest.mark.clause("INPUT-ERRORS", needs=("decode_step",))
+@given(case=_decode_inputs(), data=st.data())
+def test_decode_step_rejects_codes_out_of_range(ctx, case, data):
+    """decode_step with a code outside [0, K) of its codebook C: ValueError naming codes."""
+    (q, k, v, codes, C), kw, notes = case
+    codes, what = _bad_codes(data, codes, notes["K"])
+    ctx.note(**notes, codes=codes.tolist(), w=kw["w"], sinks=kw["sinks"], topk=kw["topk"])
+    msg = ctx.expect_value_error("decode_step", q, k, v, codes, C, what=what, **kw)
+    _named(ctx, msg, "codes", f"decode_step: {what}")

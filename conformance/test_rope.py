@@ -2,15 +2,28 @@
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from a2ats_conformance import hypothesis_helpers as hh
+from a2ats_spec import oracle
+
+
+def _llama3_example(d, base, type_key, **given):
+    """Llama-3.1's rope_scaling with only ``given`` of the optional keys (the rest read from the spec's defaults)."""
+    scaling = dict(hh.rope_scaling_dict("llama3", type_key), factor=8.0, **given)
+    return {"d": d, "base": base, "scaling": scaling, "traditional": False,
+            "inv_freqs": oracle.rope_inv_freqs(d, base, scaling)}
 
 
 @pytest.mark.clause("ROPE-FREQ")
 @given(p=hh.rope_params())
+@example(p=_llama3_example(64, 500000.0, "rope_type"))   # every optional key left to its default (1, 4, 8192)
+@example(p=_llama3_example(64, 10000.0, "type", low_freq_factor=1.0, high_freq_factor=4.0))   # L0 = 8192
+@example(p=_llama3_example(32, 500000.0, "both", original_max_position_embeddings=8192))      # 1 and 4
 def test_inv_freqs_match_oracle(ctx, p):
+    """Defaults of left-out llama3 keys (ROPE-FREQ: low_freq_factor 1, high_freq_factor 4,
+    original_max_position_embeddings 8192) and the type under either key, as mlx-lm reads them."""
     ctx.note(head_dim=p["d"], base=p["base"], scaling=p["scaling"])
     ctx.check("rope_inv_freqs", p["d"], p["base"], p["scaling"], clause="ROPE-FREQ")
 
