@@ -596,6 +596,24 @@ def _scalar_far_key(self, k_post, positions, inv, traditional):
     return self._rope(k_post, p0, inv, traditional, invert=True)
 
 
+def _llama3_defaults(**wrong):
+    """rope_inv_freqs reading a left-out llama3 key with the wrong default (``wrong``: key -> value)."""
+    def rope_inv_freqs(self, head_dim, base, scaling=None):
+        if isinstance(scaling, dict) and (scaling.get("type") or scaling.get("rope_type")) == "llama3":
+            scaling = {**wrong, **scaling}
+        return _o.rope_inv_freqs(head_dim, base, scaling)
+    return rope_inv_freqs
+
+
+def _one_type_key(key):
+    """rope_inv_freqs reading the scaling type from ``key`` only (the other spelling read as "default")."""
+    def rope_inv_freqs(self, head_dim, base, scaling=None):
+        if isinstance(scaling, dict):
+            scaling = {k: v for k, v in scaling.items() if k not in ("type", "rope_type") or k == key}
+        return _o.rope_inv_freqs(head_dim, base, scaling)
+    return rope_inv_freqs
+
+
 def _dev(id_, cause, applies, *variants):
     return Deviation(id_, cause, frozenset(applies), tuple(variants))
 
@@ -605,6 +623,17 @@ DEVIATIONS: tuple[Deviation, ...] = (
          "RoPE layout swapped: pairs (x[i], x[i+d/2]) and (x[2i], x[2i+1]) exchanged (the traditional flag inverted)",
          _ROPE | _FAR | {"query_moment"} | _DECODE,
          _model("LayoutSwapped", "traditional inverted", layout=lambda self, t: not bool(t))),
+    _dev("llama3-defaults", "llama3 scaling: a left-out key read with the wrong default (spec and mlx-lm: "
+         "low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)", {"rope_inv_freqs"},
+         _model("Llama3L0", "original_max_position_embeddings 4096",
+                rope_inv_freqs=_llama3_defaults(original_max_position_embeddings=4096)),
+         _model("Llama3High", "high_freq_factor 2", rope_inv_freqs=_llama3_defaults(high_freq_factor=2.0)),
+         _model("Llama3L0High", "4096 and 2", rope_inv_freqs=_llama3_defaults(original_max_position_embeddings=4096,
+                                                                             high_freq_factor=2.0))),
+    _dev("rope-type-one-key", "RoPE scaling type read from one key only: mlx-lm reads scaling.get('type') or "
+         "scaling.get('rope_type', 'default'), so both spellings name the type", {"rope_inv_freqs"},
+         _model("TypeOnly", "'type' only", rope_inv_freqs=_one_type_key("type")),
+         _model("RopeTypeOnly", "'rope_type' only", rope_inv_freqs=_one_type_key("rope_type"))),
     _dev("b-missing", "R_b missing: far scores and H use b = 0 (no rotation) instead of the far position b",
          _FAR - {"far_keys"} | {"query_moment"} | _DECODE,
          _model("BMissing", "b = 0", far_b=lambda self, b, w=None: 0)),
