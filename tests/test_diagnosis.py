@@ -65,6 +65,9 @@ def _probes():
         [("assign_z", (rng.standard_normal((10, d)), Cz[0], L), {})],
         [("lut_scores", (rng.standard_normal((n_q, d)), rng.standard_normal((n_kv, 300, d))), {})],
         [("topk_count", (37, 0.1), {})],
+        [("topk_count", (100, 0.29), {})],                      # 0.29 · 100 = 28.999999999999996 (float32: 29)
+        [("rope_inv_freqs", (64, 500000.0, {"rope_type": "llama3", "factor": 8.0}), {})],   # llama3 defaults read
+        [("rope_inv_freqs", (64, 10000.0, {"type": "linear", "factor": 4.0}), {})],
         [("select_tokens", (rng.standard_normal((n_q, 40)),), dict(n_kv_heads=n_kv, query_pos=30, w=3, sinks=2, topk=0.2))],
         [decode_call(40)], [decode_call(300)], cache_calls, long_cache, batched,
     ]
