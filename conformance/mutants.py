@@ -378,6 +378,15 @@ def _gap(cls):
 
 
 # ---- gaps in EQ-10 and EQ-17 (query moment, k-means)
+@_gap
+class RidgeIgnored(Mutant):
+    expected_clause = "EQ-10"
+    bug = "query_moment accepts ridge but never adds ridge*I (H stays singular when N*G < d)"
+    gap = "conformance/test_eq10_query_moment.py::test_query_moment_matches_oracle"
+
+    def query_moment(self, queries, *, n_kv_heads, ridge=1e-6, **kw):
+        return self._ref.query_moment(queries, n_kv_heads=n_kv_heads, ridge=0.0, **kw)
+
 
 
 
