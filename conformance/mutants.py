@@ -397,6 +397,26 @@ class RidgeIgnored(Mutant):
 
 
 
+@_gap
+class KmeansppSearchsortedLeft(Mutant):
+    expected_clause = "EQ-17-INIT"
+    bug = "inverse CDF by np.searchsorted(cum, u*S) (side='left': cum >= u*S, not >): u=0 re-picks a chosen point"
+    gap = "conformance/test_eq17_kmeans.py::test_kmeanspp_init_on_cdf_boundaries"
+
+    def kmeanspp_init(self, z, K, uniforms):
+        z, u = _np(z), _np(uniforms)
+        chosen = [int(math.floor(u[0] * z.shape[0]))]
+        D2 = np.sum((z - z[chosen[0]]) ** 2, axis=-1)
+        for t in range(1, K):
+            cum = np.cumsum(D2)
+            n = int(np.searchsorted(cum, u[t] * cum[-1]))
+            chosen.append(n)
+            D2 = np.minimum(D2, np.sum((z - z[n]) ** 2, axis=-1))
+        return z[chosen].astype(np.float32)
+
+
+
+
 # ---- gaps in ROPE-FREQ, RET-TOPK and INPUT-ERRORS
 
 

@@ -10,7 +10,7 @@ as ``kmeanspp_init(z, K, *, seed)`` and ``kmeans(z, K, *, seed, max_iter, tol)``
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from scipy.stats import chi2
 
@@ -56,6 +56,81 @@ def test_kmeanspp_init_matches_oracle(ctx, case, useed):
     assume(_stable_init(z, K, ctx.cast(u, param=True).astype(np.float64)))
     ctx.note(seed=case["seed"], uniforms_seed=useed, N=case["N"], K=K, d=case["d"])
     ctx.check("kmeanspp_init", case["z"], K, uniforms=u, clause="EQ-17-INIT")
+
+
+def _exact_fraction(num, den):
+    """num/den as a float32 uniform u with u * den == num exactly (in float32 and float64), else None."""
+    u = np.float32(num / den)
+    exact = float(u) * den == num and float(np.float32(u) * np.float32(den)) == num
+    return float(u) if exact and 0 <= u < 1 else None
+
+
+@st.composite
+def _boundary_init_case(draw):
+    """Small-integer points (every D², every cumulative sum and every u_t · ΣD² is exact in float32) and
+    uniforms that land ON the inverse-CDF boundaries: u_0 = m/N, u_t = 0 or u_t · ΣD² = cumsum(D²)[m].
+    EQ-17-INIT's rule is strict (smallest n with cumsum(D²)[n] > u_t · ΣD²): on a boundary it picks the
+    next point of positive weight, never a point whose cumsum equals the draw (searchsorted side='left')."""
+    d = draw(st.integers(1, 2), label="d")
+    K = draw(st.integers(2, 5), label="K")
+    N = draw(st.integers(K, 10), label="N")
+    seed = draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    grid = np.stack(np.meshgrid(*[np.arange(-3, 4)] * d, indexing="ij"), -1).reshape(-1, d).astype(np.float64)
+    z = grid[rng.choice(len(grid), K, replace=False)]                   # K distinct rows ...
+    z = np.concatenate([z, grid[rng.integers(len(grid), size=N - K)]])  # ... then any rows, duplicates allowed
+    z = z[rng.permutation(N)]
+    m0 = draw(st.integers(0, N - 1), label="first_index")
+    u = [_exact_fraction(m0, N)]
+    if u[0] is None:
+        u[0] = float(np.float32((m0 + 0.5) / N))
+    chosen = [int(np.floor(u[0] * N))]
+    kinds = []
+    D2 = np.sum((z - z[chosen[0]]) ** 2, axis=-1)
+    for t in range(1, K):
+        cum = np.cumsum(D2)
+        S = cum[-1]
+        kind = draw(st.sampled_from(["boundary", "zero"] + (["interior"] if t > 1 else [])), label=f"kind_{t}")
+        ut = None
+        if kind == "boundary":
+            ms = [m for m in range(N) if 0 < cum[m] < S and _exact_fraction(cum[m], S) is not None]
+            if ms:
+                ut = _exact_fraction(cum[draw(st.sampled_from(ms), label=f"boundary_{t}")], S)
+        elif kind == "interior":
+            n = draw(st.sampled_from(np.flatnonzero(D2 > 0).tolist()), label=f"interior_{t}")
+            ut = float(np.float32((cum[n] - D2[n] / 2) / S))
+        if ut is None:
+            kind, ut = "zero", 0.0
+        kinds.append(kind)
+        u.append(ut)
+        n = int(np.argmax(cum > ut * S))
+        chosen.append(n)
+        D2 = np.minimum(D2, np.sum((z - z[n]) ** 2, axis=-1))
+    return {"z": z, "K": K, "N": N, "d": d, "seed": seed, "uniforms": np.array(u), "kinds": kinds}
+
+
+#: The audit's counterexample: u_1 = 0 with z[0] already chosen; side='left' re-picks z[0].
+_BOUNDARY_EXAMPLE = {"z": np.array([[0.0], [1.0], [3.0]]), "K": 3, "N": 3, "d": 1, "seed": 0,
+                     "uniforms": np.array([0.0, 0.0, 0.5]), "kinds": ["zero", "interior"]}
+
+
+@pytest.mark.clause("EQ-17-INIT", requires=EXPLICIT)
+@given(case=_boundary_init_case())
+@example(case=_BOUNDARY_EXAMPLE)
+def test_kmeanspp_init_on_cdf_boundaries(ctx, case):
+    """Uniforms on the inverse CDF's boundaries (u_t = 0, u_t · ΣD² = a cumulative sum), on data where they are
+    exact in float32: the strict rule cumsum(D²)[n] > u_t · ΣD² chooses; the centres are distinct points."""
+    z, K, u = case["z"], case["K"], case["uniforms"]
+    ctx.note(seed=case["seed"], N=case["N"], K=K, d=case["d"], z=z.tolist(), uniforms=u.tolist(),
+             draw_kinds=case["kinds"])
+    C, _ = ctx.check("kmeanspp_init", z, K, uniforms=u, clause="EQ-17-INIT",
+                     what="k-means++ centres with uniforms on CDF boundaries (the rule is the smallest n with "
+                          "cumsum(D²)[n] > u_t·ΣD², strictly: u_t = 0 never picks a point of zero weight)")
+    idx = _row_indices(z, np.asarray(C, np.float64))
+    if np.unique(z[idx], axis=0).shape[0] != K:
+        ctx.fail("EQ-17-INIT", "k-means++ chose the same point twice with a uniform on a CDF boundary",
+                 f"row indices {idx.tolist()} for uniforms {u.tolist()} (a chosen point has D² = 0 and must not be "
+                 "picked: use cumsum > u·ΣD², not >=)")
 
 
 def _lloyd_case(draw):
