@@ -414,6 +414,52 @@ class KmeansppSearchsortedLeft(Mutant):
             D2 = np.minimum(D2, np.sum((z - z[n]) ** 2, axis=-1))
         return z[chosen].astype(np.float32)
 
+def _lloyd_empty_rule(z, C, *, stale_counts=False, tie_high=False):
+    """EQ-17-STEP with one empty-cluster bug: donors judged by the sizes before any move, or ties of the
+    largest error going to the highest point index."""
+    z, C = _np(z), _np(C)
+    N, K = z.shape[0], C.shape[0]
+    d2 = np.sum((z[:, None, :] - C[None]) ** 2, axis=-1)
+    codes = np.argmin(d2, axis=1)
+    err = d2[np.arange(N), codes]
+    members = codes.copy()
+    counts = np.bincount(members, minlength=K)
+    before = counts.copy()
+    taken = np.zeros(N, bool)
+    for e in range(K):
+        if counts[e] > 0:
+            continue
+        size = before[codes] if stale_counts else counts[members]
+        cand = np.flatnonzero(~taken & (size >= 2))
+        n = int(cand[np.argsort(err[cand], kind="stable")[-1]] if tie_high else cand[np.argmax(err[cand])])
+        counts[members[n]] -= 1
+        members[n] = e
+        counts[e] = 1
+        taken[n] = True
+    with np.errstate(invalid="ignore", divide="ignore"):
+        C_new = np.stack([z[members == j].mean(axis=0) if np.any(members == j) else np.full(z.shape[1], np.nan)
+                          for j in range(K)])
+    return C_new.astype(np.float32), codes.astype(np.int64), np.float32(err.sum())
+
+
+@_gap
+class EmptyClusterTieHighIndex(Mutant):
+    expected_clause = "EQ-17-STEP"
+    bug = "empty cluster takes the worst point via argsort(err)[-1]: ties go to the highest point index, not the lowest"
+    gap = "conformance/test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties"
+
+    def lloyd_step(self, z, C):
+        return _lloyd_empty_rule(z, C, tie_high=True)
+
+
+@_gap
+class EmptyClusterStaleCounts(Mutant):
+    expected_clause = "EQ-17-STEP"
+    bug = "empty-cluster donors judged by the cluster sizes before any move (not the running sizes): a donor can be emptied"
+    gap = "conformance/test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties"
+
+    def lloyd_step(self, z, C):
+        return _lloyd_empty_rule(z, C, stale_counts=True)
 
 
 

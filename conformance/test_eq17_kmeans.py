@@ -168,6 +168,78 @@ def test_lloyd_step_matches_oracle(ctx, data):
     ctx.check("lloyd_step", case["z"], C, clause="EQ-17-STEP")
 
 
+@st.composite
+def _tied_lloyd_case(draw):
+    """A Lloyd step whose empty-cluster rule is decided by exact ties, on small-integer data (every distance
+    and error is an integer below 2^11: exact in float32, even in float16), so the oracle's choice is the
+    port's. Occupied centres sit 6 apart on the first axis with members at integer offsets in [-2, 2]^d
+    (mirrored pairs ±o tie exactly); empty centres lie far to the left; optionally a centre duplicates an
+    occupied one (its points tie between the two: the lower index takes them, the other is empty); and in the
+    "donor" shape cluster 0 has exactly 2 members, the worst-served points, while ≥ 2 clusters are empty: the
+    first empty takes one of them, then cluster 0 has 1 member left and must not be emptied."""
+    d = draw(st.integers(1, 2), label="d")
+    donor = draw(st.booleans(), label="donor_shape")
+    n_occ = draw(st.integers(2 if donor else 1, 3), label="occupied")
+    n_empty = draw(st.integers(2 if donor else 1, 3), label="far_empty")
+    dup = draw(st.booleans(), label="duplicate_centre")
+    box = 1 if donor else 2
+    offsets = st.lists(st.integers(-box, box), min_size=d, max_size=d).map(lambda v: np.array(v, np.float64))
+    z, C = [], []
+    for j in range(n_occ):
+        c = np.zeros(d)
+        c[0] = 6.0 * j
+        C.append(c)
+        if donor and j == 0:
+            o = np.full(d, 2.0) * draw(st.sampled_from([1.0, -1.0]), label="donor_sign")
+            z += [c + o, c - o]                                  # the two worst errors, tied
+            continue
+        m = draw(st.integers(1, 4), label=f"members_{j}")
+        pts = []
+        while len(pts) < m:
+            o = draw(offsets, label=f"offset_{j}")
+            pts += [c + o, c - o] if draw(st.booleans(), label=f"mirror_{j}") else [c + o]
+        z += pts[:m]
+    if dup:
+        C.append(C[draw(st.integers(0, n_occ - 1), label="duplicated")].copy())
+    for e in range(n_empty):
+        c = np.zeros(d)
+        c[0] = -10.0 - 2 * e
+        C.append(c)
+    K = len(C)
+    while len(z) < K + (1 if donor else 0):      # enough spare members for every empty cluster
+        z.append(C[n_occ - 1] + draw(offsets, label="extra_offset"))
+    z, C = np.array(z), np.array(C)
+    z = z[draw(st.permutations(range(len(z))), label="point_order")]
+    C = C[draw(st.permutations(range(K)), label="centre_order")]
+    return {"z": z, "C": C, "N": len(z), "K": K, "d": d, "donor": donor, "duplicate_centre": dup}
+
+
+#: ≥ 2 empty clusters and one 2-member donor holding the two (tied) worst points: the first empty cluster
+#: takes z[0] (tie -> lowest n); the donor is then down to 1 member, so the second empty takes z[2] (the worst
+#: of cluster 1, tied with z[4] -> lowest n), not z[1].
+_TIED_LLOYD_EXAMPLE = {"z": np.array([[-3.0], [3.0], [9.0], [10.0], [11.0]]),
+                       "C": np.array([[0.0], [10.0], [-20.0], [-30.0]]), "N": 5, "K": 4, "d": 1,
+                       "donor": True, "duplicate_centre": False}
+
+
+@pytest.mark.clause("EQ-17-STEP")
+@given(case=_tied_lloyd_case())
+@example(case=_TIED_LLOYD_EXAMPLE)
+def test_lloyd_step_empty_clusters_with_exact_ties(ctx, case):
+    """EQ-17-STEP's empty-cluster rule where it is decided by exact ties and running cluster sizes."""
+    z, C = case["z"], case["C"]
+    dist = np.sum((z[:, None, :] - C[None, :, :]) ** 2, axis=-1)
+    codes = np.argmin(dist, axis=1)
+    err = dist[np.arange(len(z)), codes]
+    empty = np.flatnonzero(np.bincount(codes, minlength=case["K"]) == 0)
+    ctx.note(N=case["N"], K=case["K"], d=case["d"], z=z.tolist(), C=C.tolist(), empty_clusters=empty.tolist(),
+             errors=err.tolist(), donor_shape=case["donor"], duplicate_centre=case["duplicate_centre"])
+    ctx.check("lloyd_step", z, C, clause="EQ-17-STEP",
+              what=f"lloyd_step with empty clusters {empty.tolist()} and tied errors (each empty cluster, in "
+                   "increasing index, takes the not-yet-moved point of largest error whose cluster STILL has >= 2 "
+                   "members; ties -> lowest point index)")
+
+
 @pytest.mark.clause("EQ-17-STEP", needs=("lloyd_step",))
 @given(data=st.data())
 def test_lloyd_objective_never_increases(ctx, data):
