@@ -382,7 +382,7 @@ def _gap(cls):
 class RidgeIgnored(Mutant):
     expected_clause = "EQ-10"
     bug = "query_moment accepts ridge but never adds ridge*I (H stays singular when N*G < d)"
-    gap = "conformance/test_eq10_query_moment.py::test_query_moment_matches_oracle"
+    gap = "test_eq10_query_moment.py::test_query_moment_matches_oracle"
 
     def query_moment(self, queries, *, n_kv_heads, ridge=1e-6, **kw):
         return self._ref.query_moment(queries, n_kv_heads=n_kv_heads, ridge=0.0, **kw)
@@ -401,7 +401,7 @@ class RidgeIgnored(Mutant):
 class KmeansppSearchsortedLeft(Mutant):
     expected_clause = "EQ-17-INIT"
     bug = "inverse CDF by np.searchsorted(cum, u*S) (side='left': cum >= u*S, not >): u=0 re-picks a chosen point"
-    gap = "conformance/test_eq17_kmeans.py::test_kmeanspp_init_on_cdf_boundaries"
+    gap = "test_eq17_kmeans.py::test_kmeanspp_init_on_cdf_boundaries"
 
     def kmeanspp_init(self, z, K, uniforms):
         z, u = _np(z), _np(uniforms)
@@ -446,7 +446,7 @@ def _lloyd_empty_rule(z, C, *, stale_counts=False, tie_high=False):
 class EmptyClusterTieHighIndex(Mutant):
     expected_clause = "EQ-17-STEP"
     bug = "empty cluster takes the worst point via argsort(err)[-1]: ties go to the highest point index, not the lowest"
-    gap = "conformance/test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties"
+    gap = "test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties"
 
     def lloyd_step(self, z, C):
         return _lloyd_empty_rule(z, C, tie_high=True)
@@ -456,7 +456,7 @@ class EmptyClusterTieHighIndex(Mutant):
 class EmptyClusterStaleCounts(Mutant):
     expected_clause = "EQ-17-STEP"
     bug = "empty-cluster donors judged by the cluster sizes before any move (not the running sizes): a donor can be emptied"
-    gap = "conformance/test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties"
+    gap = "test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties"
 
     def lloyd_step(self, z, C):
         return _lloyd_empty_rule(z, C, stale_counts=True)
