@@ -383,6 +383,7 @@ class RidgeIgnored(Mutant):
     expected_clause = "EQ-10"
     bug = "query_moment accepts ridge but never adds ridge*I (H stays singular when N*G < d)"
     gap = "test_eq10_query_moment.py::test_query_moment_matches_oracle"
+    expected_cause = "ridge-missing"
 
     def query_moment(self, queries, *, n_kv_heads, ridge=1e-6, **kw):
         return self._ref.query_moment(queries, n_kv_heads=n_kv_heads, ridge=0.0, **kw)
@@ -402,6 +403,7 @@ class KmeansppSearchsortedLeft(Mutant):
     expected_clause = "EQ-17-INIT"
     bug = "inverse CDF by np.searchsorted(cum, u*S) (side='left': cum >= u*S, not >): u=0 re-picks a chosen point"
     gap = "test_eq17_kmeans.py::test_kmeanspp_init_on_cdf_boundaries"
+    expected_cause = "kmeanspp-cdf-inclusive"
 
     def kmeanspp_init(self, z, K, uniforms):
         z, u = _np(z), _np(uniforms)
@@ -436,9 +438,8 @@ def _lloyd_empty_rule(z, C, *, stale_counts=False, tie_high=False):
         members[n] = e
         counts[e] = 1
         taken[n] = True
-    with np.errstate(invalid="ignore", divide="ignore"):
-        C_new = np.stack([z[members == j].mean(axis=0) if np.any(members == j) else np.full(z.shape[1], np.nan)
-                          for j in range(K)])
+    # a cluster the bug empties keeps its input centre (the usual guard against 0/0)
+    C_new = np.stack([z[members == j].mean(axis=0) if np.any(members == j) else C[j] for j in range(K)])
     return C_new.astype(np.float32), codes.astype(np.int64), np.float32(err.sum())
 
 
@@ -447,6 +448,7 @@ class EmptyClusterTieHighIndex(Mutant):
     expected_clause = "EQ-17-STEP"
     bug = "empty cluster takes the worst point via argsort(err)[-1]: ties go to the highest point index, not the lowest"
     gap = "test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties"
+    expected_cause = "empty-cluster-tie-highest"
 
     def lloyd_step(self, z, C):
         return _lloyd_empty_rule(z, C, tie_high=True)
@@ -457,6 +459,7 @@ class EmptyClusterStaleCounts(Mutant):
     expected_clause = "EQ-17-STEP"
     bug = "empty-cluster donors judged by the cluster sizes before any move (not the running sizes): a donor can be emptied"
     gap = "test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties"
+    expected_cause = "empty-cluster-stale-sizes"
 
     def lloyd_step(self, z, C):
         return _lloyd_empty_rule(z, C, stale_counts=True)
