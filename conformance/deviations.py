@@ -124,6 +124,18 @@ class Model:
     def normalise(self, H):                  # EQ-10: RMS normalisation
         return H / math.sqrt(float(np.mean(H ** 2)))
 
+    def ridge_added(self, ridge):            # EQ-10: ridge·I added after the normalisation
+        return ridge
+
+    def cdf_pick(self, cum, x):              # EQ-17-INIT: smallest n with cumsum(D²)[n] > u·ΣD² (strict)
+        return int(np.argmax(cum > x))
+
+    def donor_sizes(self, counts, before, members, codes):   # EQ-17-STEP: the running cluster sizes
+        return counts[members]
+
+    def worst(self, err):                    # EQ-17-STEP: the largest error, ties -> lowest point index
+        return int(np.argmax(err))
+
     def z(self, k, L):                       # EQ-16: z = k L
         return _f(k) @ _f(L)
 
@@ -180,7 +192,7 @@ class Model:
         out = np.empty((n_kv_heads, d, d))
         for g in range(n_kv_heads):
             Q = np.concatenate([qb[g * G + h] for h in self.pooled_heads(G)])
-            out[g] = self.normalise(Q.T @ Q / Q.shape[0]) + ridge * np.eye(d)
+            out[g] = self.normalise(Q.T @ Q / Q.shape[0]) + self.ridge_added(ridge) * np.eye(d)
         return out
 
     def wrope_scores(self, q, k, *, w, b, inv_freqs, traditional, q_positions=None, k_positions=None):
@@ -321,11 +333,37 @@ class Model:
     def code_dtype(self, K):
         return _o.code_dtype(K)
 
-    def kmeanspp_init(self, *a, **kw):
-        return _o.kmeanspp_init(*a, **kw)
+    def kmeanspp_init(self, z, K, uniforms):
+        _o.kmeanspp_init(z, K, uniforms)     # the preconditions (ValueError) are the oracle's
+        z, u = _f(z), _f(uniforms)
+        chosen = [int(math.floor(u[0] * z.shape[0]))]
+        D2 = np.sum((z - z[chosen[0]]) ** 2, axis=-1)
+        for t in range(1, int(K)):
+            cum = np.cumsum(D2)
+            chosen.append(self.cdf_pick(cum, u[t] * cum[-1]))
+            D2 = np.minimum(D2, np.sum((z - z[chosen[-1]]) ** 2, axis=-1))
+        return z[chosen].copy()
 
-    def lloyd_step(self, *a, **kw):
-        return _o.lloyd_step(*a, **kw)
+    def lloyd_step(self, z, C):
+        _o.lloyd_step(z, C)                  # the preconditions (ValueError) are the oracle's
+        z, C = _f(z), _f(C)
+        N, K = z.shape[0], C.shape[0]
+        d2 = np.sum((z[:, None, :] - C[None]) ** 2, axis=-1)
+        codes = np.argmin(d2, axis=1)
+        err = d2[np.arange(N), codes]
+        members, taken = codes.copy(), np.zeros(N, dtype=bool)
+        counts = np.bincount(members, minlength=K)
+        before = counts.copy()
+        for e in range(K):
+            if counts[e] > 0:
+                continue
+            cand = np.flatnonzero(~taken & (self.donor_sizes(counts, before, members, codes) >= 2))
+            n = int(cand[self.worst(err[cand])])
+            counts[members[n]] -= 1
+            members[n], counts[e], taken[n] = e, 1, True
+        # a cluster emptied by a deviant rule keeps its input centre (the usual guard against 0/0)
+        C_new = np.stack([z[members == j].mean(axis=0) if np.any(members == j) else C[j] for j in range(K)])
+        return C_new, codes.astype(np.int64), float(np.sum(err))
 
     def kmeans(self, *a, **kw):
         return _o.kmeans(*a, **kw)
@@ -673,6 +711,20 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("duplicate-tokens", "duplicate tokens in the softmax: a sink/window token also picked by top-k is "
          "attended twice (top-k not restricted to the non-forced candidates, no de-duplication)", _SELECT,
          _model("Duplicates", "multiset", duplicates=lambda self: True)),
+    _dev("ridge-missing", "ridge·I not added to H (the ridge argument ignored): H stays singular when the G·N "
+         "pooled queries span fewer than d dimensions", {"query_moment"},
+         _model("RidgeMissing", "no ridge", ridge_added=lambda self, ridge: 0.0)),
+    _dev("kmeanspp-cdf-inclusive", "k-means++ inverse CDF inclusive: the smallest n with cumsum(D²)[n] >= u·ΣD² "
+         "(np.searchsorted side='left') instead of > : a uniform on a boundary (u = 0) can re-pick a chosen point",
+         {"kmeanspp_init"},
+         _model("CdfInclusive", ">=", cdf_pick=lambda self, cum, x: int(np.argmax(cum >= x)))),
+    _dev("empty-cluster-tie-highest", "empty-cluster rule: among tied largest errors the highest point index moves "
+         "(argsort(err)[-1]) instead of the lowest", {"lloyd_step"},
+         _model("TieHighest", "argsort[-1]", worst=lambda self, err: int(np.argsort(err, kind="stable")[-1]))),
+    _dev("empty-cluster-stale-sizes", "empty-cluster rule: donors judged by the cluster sizes before any move, not "
+         "the running sizes, so a 2-member cluster can give both members away and become empty", {"lloyd_step"},
+         _model("StaleSizes", "sizes before the moves",
+                donor_sizes=lambda self, counts, before, members, codes: before[codes])),
     _dev("l-transposed", "z-space transform with L transposed (z = k Lᵀ instead of k L)",
          {"z_transform", "assign_z", "make_cache"},
          _model("LTransposed", "k L^T", z=lambda self, k, L: _f(k) @ np.swapaxes(_f(L), -1, -2))),

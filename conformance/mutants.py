@@ -378,6 +378,15 @@ def _gap(cls):
 
 
 # ---- gaps in EQ-10 and EQ-17 (query moment, k-means)
+@_gap
+class RidgeIgnored(Mutant):
+    expected_clause = "EQ-10"
+    bug = "query_moment accepts ridge but never adds ridge*I (H stays singular when N*G < d)"
+    gap = "test_eq10_query_moment.py::test_query_moment_matches_oracle"
+    expected_cause = "ridge-missing"
+
+    def query_moment(self, queries, *, n_kv_heads, ridge=1e-6, **kw):
+        return self._ref.query_moment(queries, n_kv_heads=n_kv_heads, ridge=0.0, **kw)
 
 
 
@@ -385,6 +394,75 @@ def _gap(cls):
 
 
 
+
+
+
+
+@_gap
+class KmeansppSearchsortedLeft(Mutant):
+    expected_clause = "EQ-17-INIT"
+    bug = "inverse CDF by np.searchsorted(cum, u*S) (side='left': cum >= u*S, not >): u=0 re-picks a chosen point"
+    gap = "test_eq17_kmeans.py::test_kmeanspp_init_on_cdf_boundaries"
+    expected_cause = "kmeanspp-cdf-inclusive"
+
+    def kmeanspp_init(self, z, K, uniforms):
+        z, u = _np(z), _np(uniforms)
+        chosen = [int(math.floor(u[0] * z.shape[0]))]
+        D2 = np.sum((z - z[chosen[0]]) ** 2, axis=-1)
+        for t in range(1, K):
+            cum = np.cumsum(D2)
+            n = int(np.searchsorted(cum, u[t] * cum[-1]))
+            chosen.append(n)
+            D2 = np.minimum(D2, np.sum((z - z[n]) ** 2, axis=-1))
+        return z[chosen].astype(np.float32)
+
+def _lloyd_empty_rule(z, C, *, stale_counts=False, tie_high=False):
+    """EQ-17-STEP with one empty-cluster bug: donors judged by the sizes before any move, or ties of the
+    largest error going to the highest point index."""
+    z, C = _np(z), _np(C)
+    N, K = z.shape[0], C.shape[0]
+    d2 = np.sum((z[:, None, :] - C[None]) ** 2, axis=-1)
+    codes = np.argmin(d2, axis=1)
+    err = d2[np.arange(N), codes]
+    members = codes.copy()
+    counts = np.bincount(members, minlength=K)
+    before = counts.copy()
+    taken = np.zeros(N, bool)
+    for e in range(K):
+        if counts[e] > 0:
+            continue
+        size = before[codes] if stale_counts else counts[members]
+        cand = np.flatnonzero(~taken & (size >= 2))
+        n = int(cand[np.argsort(err[cand], kind="stable")[-1]] if tie_high else cand[np.argmax(err[cand])])
+        counts[members[n]] -= 1
+        members[n] = e
+        counts[e] = 1
+        taken[n] = True
+    # a cluster the bug empties keeps its input centre (the usual guard against 0/0)
+    C_new = np.stack([z[members == j].mean(axis=0) if np.any(members == j) else C[j] for j in range(K)])
+    return C_new.astype(np.float32), codes.astype(np.int64), np.float32(err.sum())
+
+
+@_gap
+class EmptyClusterTieHighIndex(Mutant):
+    expected_clause = "EQ-17-STEP"
+    bug = "empty cluster takes the worst point via argsort(err)[-1]: ties go to the highest point index, not the lowest"
+    gap = "test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties"
+    expected_cause = "empty-cluster-tie-highest"
+
+    def lloyd_step(self, z, C):
+        return _lloyd_empty_rule(z, C, tie_high=True)
+
+
+@_gap
+class EmptyClusterStaleCounts(Mutant):
+    expected_clause = "EQ-17-STEP"
+    bug = "empty-cluster donors judged by the cluster sizes before any move (not the running sizes): a donor can be emptied"
+    gap = "test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties"
+    expected_cause = "empty-cluster-stale-sizes"
+
+    def lloyd_step(self, z, C):
+        return _lloyd_empty_rule(z, C, stale_counts=True)
 
 
 

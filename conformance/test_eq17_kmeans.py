@@ -10,7 +10,7 @@ as ``kmeanspp_init(z, K, *, seed)`` and ``kmeans(z, K, *, seed, max_iter, tol)``
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from scipy.stats import chi2
 
@@ -58,6 +58,81 @@ def test_kmeanspp_init_matches_oracle(ctx, case, useed):
     ctx.check("kmeanspp_init", case["z"], K, uniforms=u, clause="EQ-17-INIT")
 
 
+def _exact_fraction(num, den):
+    """num/den as a float32 uniform u with u * den == num exactly (in float32 and float64), else None."""
+    u = np.float32(num / den)
+    exact = float(u) * den == num and float(np.float32(u) * np.float32(den)) == num
+    return float(u) if exact and 0 <= u < 1 else None
+
+
+@st.composite
+def _boundary_init_case(draw):
+    """Small-integer points (every D², every cumulative sum and every u_t · ΣD² is exact in float32) and
+    uniforms that land ON the inverse-CDF boundaries: u_0 = m/N, u_t = 0 or u_t · ΣD² = cumsum(D²)[m].
+    EQ-17-INIT's rule is strict (smallest n with cumsum(D²)[n] > u_t · ΣD²): on a boundary it picks the
+    next point of positive weight, never a point whose cumsum equals the draw (searchsorted side='left')."""
+    d = draw(st.integers(1, 2), label="d")
+    K = draw(st.integers(2, 5), label="K")
+    N = draw(st.integers(K, 10), label="N")
+    seed = draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    grid = np.stack(np.meshgrid(*[np.arange(-3, 4)] * d, indexing="ij"), -1).reshape(-1, d).astype(np.float64)
+    z = grid[rng.choice(len(grid), K, replace=False)]                   # K distinct rows ...
+    z = np.concatenate([z, grid[rng.integers(len(grid), size=N - K)]])  # ... then any rows, duplicates allowed
+    z = z[rng.permutation(N)]
+    m0 = draw(st.integers(0, N - 1), label="first_index")
+    u = [_exact_fraction(m0, N)]
+    if u[0] is None:
+        u[0] = float(np.float32((m0 + 0.5) / N))
+    chosen = [int(np.floor(u[0] * N))]
+    kinds = []
+    D2 = np.sum((z - z[chosen[0]]) ** 2, axis=-1)
+    for t in range(1, K):
+        cum = np.cumsum(D2)
+        S = cum[-1]
+        kind = draw(st.sampled_from(["boundary", "zero"] + (["interior"] if t > 1 else [])), label=f"kind_{t}")
+        ut = None
+        if kind == "boundary":
+            ms = [m for m in range(N) if 0 < cum[m] < S and _exact_fraction(cum[m], S) is not None]
+            if ms:
+                ut = _exact_fraction(cum[draw(st.sampled_from(ms), label=f"boundary_{t}")], S)
+        elif kind == "interior":
+            n = draw(st.sampled_from(np.flatnonzero(D2 > 0).tolist()), label=f"interior_{t}")
+            ut = float(np.float32((cum[n] - D2[n] / 2) / S))
+        if ut is None:
+            kind, ut = "zero", 0.0
+        kinds.append(kind)
+        u.append(ut)
+        n = int(np.argmax(cum > ut * S))
+        chosen.append(n)
+        D2 = np.minimum(D2, np.sum((z - z[n]) ** 2, axis=-1))
+    return {"z": z, "K": K, "N": N, "d": d, "seed": seed, "uniforms": np.array(u), "kinds": kinds}
+
+
+#: The audit's counterexample: u_1 = 0 with z[0] already chosen; side='left' re-picks z[0].
+_BOUNDARY_EXAMPLE = {"z": np.array([[0.0], [1.0], [3.0]]), "K": 3, "N": 3, "d": 1, "seed": 0,
+                     "uniforms": np.array([0.0, 0.0, 0.5]), "kinds": ["zero", "interior"]}
+
+
+@pytest.mark.clause("EQ-17-INIT", requires=EXPLICIT)
+@given(case=_boundary_init_case())
+@example(case=_BOUNDARY_EXAMPLE)
+def test_kmeanspp_init_on_cdf_boundaries(ctx, case):
+    """Uniforms on the inverse CDF's boundaries (u_t = 0, u_t · ΣD² = a cumulative sum), on data where they are
+    exact in float32: the strict rule cumsum(D²)[n] > u_t · ΣD² chooses; the centres are distinct points."""
+    z, K, u = case["z"], case["K"], case["uniforms"]
+    ctx.note(seed=case["seed"], N=case["N"], K=K, d=case["d"], z=z.tolist(), uniforms=u.tolist(),
+             draw_kinds=case["kinds"])
+    C, _ = ctx.check("kmeanspp_init", z, K, uniforms=u, clause="EQ-17-INIT",
+                     what="k-means++ centres with uniforms on CDF boundaries (the rule is the smallest n with "
+                          "cumsum(D²)[n] > u_t·ΣD², strictly: u_t = 0 never picks a point of zero weight)")
+    idx = _row_indices(z, np.asarray(C, np.float64))
+    if np.unique(z[idx], axis=0).shape[0] != K:
+        ctx.fail("EQ-17-INIT", "k-means++ chose the same point twice with a uniform on a CDF boundary",
+                 f"row indices {idx.tolist()} for uniforms {u.tolist()} (a chosen point has D² = 0 and must not be "
+                 "picked: use cumsum > u·ΣD², not >=)")
+
+
 def _lloyd_case(draw):
     case = draw(hh.kmeans_points(), label="points")
     K = case["K"]
@@ -91,6 +166,78 @@ def test_lloyd_step_matches_oracle(ctx, data):
     assume(_unambiguous(z64, C64, ctx.margin("EQ-17-STEP", z64 @ z64.T)))
     ctx.note(seed=case["seed"], N=case["N"], K=case["K"], d=case["d"], C_kind=kind)
     ctx.check("lloyd_step", case["z"], C, clause="EQ-17-STEP")
+
+
+@st.composite
+def _tied_lloyd_case(draw):
+    """A Lloyd step whose empty-cluster rule is decided by exact ties, on small-integer data (every distance
+    and error is an integer below 2^11: exact in float32, even in float16), so the oracle's choice is the
+    port's. Occupied centres sit 6 apart on the first axis with members at integer offsets in [-2, 2]^d
+    (mirrored pairs ±o tie exactly); empty centres lie far to the left; optionally a centre duplicates an
+    occupied one (its points tie between the two: the lower index takes them, the other is empty); and in the
+    "donor" shape cluster 0 has exactly 2 members, the worst-served points, while ≥ 2 clusters are empty: the
+    first empty takes one of them, then cluster 0 has 1 member left and must not be emptied."""
+    d = draw(st.integers(1, 2), label="d")
+    donor = draw(st.booleans(), label="donor_shape")
+    n_occ = draw(st.integers(2 if donor else 1, 3), label="occupied")
+    n_empty = draw(st.integers(2 if donor else 1, 3), label="far_empty")
+    dup = draw(st.booleans(), label="duplicate_centre")
+    box = 1 if donor else 2
+    offsets = st.lists(st.integers(-box, box), min_size=d, max_size=d).map(lambda v: np.array(v, np.float64))
+    z, C = [], []
+    for j in range(n_occ):
+        c = np.zeros(d)
+        c[0] = 6.0 * j
+        C.append(c)
+        if donor and j == 0:
+            o = np.full(d, 2.0) * draw(st.sampled_from([1.0, -1.0]), label="donor_sign")
+            z += [c + o, c - o]                                  # the two worst errors, tied
+            continue
+        m = draw(st.integers(1, 4), label=f"members_{j}")
+        pts = []
+        while len(pts) < m:
+            o = draw(offsets, label=f"offset_{j}")
+            pts += [c + o, c - o] if draw(st.booleans(), label=f"mirror_{j}") else [c + o]
+        z += pts[:m]
+    if dup:
+        C.append(C[draw(st.integers(0, n_occ - 1), label="duplicated")].copy())
+    for e in range(n_empty):
+        c = np.zeros(d)
+        c[0] = -10.0 - 2 * e
+        C.append(c)
+    K = len(C)
+    while len(z) < K + (1 if donor else 0):      # enough spare members for every empty cluster
+        z.append(C[n_occ - 1] + draw(offsets, label="extra_offset"))
+    z, C = np.array(z), np.array(C)
+    z = z[draw(st.permutations(range(len(z))), label="point_order")]
+    C = C[draw(st.permutations(range(K)), label="centre_order")]
+    return {"z": z, "C": C, "N": len(z), "K": K, "d": d, "donor": donor, "duplicate_centre": dup}
+
+
+#: ≥ 2 empty clusters and one 2-member donor holding the two (tied) worst points: the first empty cluster
+#: takes z[0] (tie -> lowest n); the donor is then down to 1 member, so the second empty takes z[2] (the worst
+#: of cluster 1, tied with z[4] -> lowest n), not z[1].
+_TIED_LLOYD_EXAMPLE = {"z": np.array([[-3.0], [3.0], [9.0], [10.0], [11.0]]),
+                       "C": np.array([[0.0], [10.0], [-20.0], [-30.0]]), "N": 5, "K": 4, "d": 1,
+                       "donor": True, "duplicate_centre": False}
+
+
+@pytest.mark.clause("EQ-17-STEP")
+@given(case=_tied_lloyd_case())
+@example(case=_TIED_LLOYD_EXAMPLE)
+def test_lloyd_step_empty_clusters_with_exact_ties(ctx, case):
+    """EQ-17-STEP's empty-cluster rule where it is decided by exact ties and running cluster sizes."""
+    z, C = case["z"], case["C"]
+    dist = np.sum((z[:, None, :] - C[None, :, :]) ** 2, axis=-1)
+    codes = np.argmin(dist, axis=1)
+    err = dist[np.arange(len(z)), codes]
+    empty = np.flatnonzero(np.bincount(codes, minlength=case["K"]) == 0)
+    ctx.note(N=case["N"], K=case["K"], d=case["d"], z=z.tolist(), C=C.tolist(), empty_clusters=empty.tolist(),
+             errors=err.tolist(), donor_shape=case["donor"], duplicate_centre=case["duplicate_centre"])
+    ctx.check("lloyd_step", z, C, clause="EQ-17-STEP",
+              what=f"lloyd_step with empty clusters {empty.tolist()} and tied errors (each empty cluster, in "
+                   "increasing index, takes the not-yet-moved point of largest error whose cluster STILL has >= 2 "
+                   "members; ties -> lowest point index)")
 
 
 @pytest.mark.clause("EQ-17-STEP", needs=("lloyd_step",))
