@@ -406,6 +406,7 @@ class DecodeIgnoresScale(Mutant):
     expected_clause = "RET-DECODE"
     bug = "decode_step drops its scale argument (always 1/sqrt(d)), e.g. Gemma's query_pre_attn_scalar ignored"
     gap = "test_retrieval.py::test_decode_step_matches_oracle"
+    expected_cause = "attention-scale-wrong"
 
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
                     scale=None, return_mask=False):
@@ -428,6 +429,7 @@ class CacheIgnoresScale(Mutant):
     expected_clause = "CACHE-DECODE"
     bug = "the cache's decode ignores config['scale'] (always 1/sqrt(d))"
     gap = "test_cache.py::test_decode_matches_oracle"
+    expected_cause = "attention-scale-wrong"
 
     def make_cache(self, config):
         return _NoScaleCache(config)
