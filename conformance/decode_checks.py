@@ -14,17 +14,21 @@ def check_decode(ctx, out, mask, inp, clause, *, margin_clause=None):
     """mask must be an allowed selection under the oracle's scores; out = exact attention over that mask.
 
     margin_clause: whose tie margin judges the selection (default ``clause``); the near-tie property uses
-    RET-LUT's, the accuracy of the scores being ranked."""
+    RET-LUT's, the accuracy of the scores being ranked. ``inp["scale"]`` (absent or None: 1/sqrt(d)) is the
+    attention scale the port was given; the expected output uses it, so a port that drops it fails."""
     o = {k: (_f64(ctx, v) if isinstance(v, np.ndarray) and v.dtype.kind == "f" else v) for k, v in inp.items()}
     o["inv_freqs"] = ctx.cast(inp["inv_freqs"], param=True).astype(np.float64)
     qb = oracle.far_query(o["q_post"], b=o["b"], inv_freqs=o["inv_freqs"], traditional=o["traditional"],
                           positions=o["query_pos"])
-    scores = oracle.token_scores(oracle.lut_scores(qb, o["C"]), o["codes"])
+    scale = inp.get("scale")
+    scores = oracle.token_scores(oracle.lut_scores(qb, o["C"], scale=scale), o["codes"])
     n_kv = o["k_post"].shape[0]
     must, may = oracle.select_tokens_allowed(scores, n_kv_heads=n_kv, query_pos=o["query_pos"], w=o["w"],
                                              sinks=o["sinks"], topk=o["topk"], margin=ctx.margin(margin_clause or clause, scores))
     ctx.assert_mask_allowed(mask, must, may, clause=clause, what="selected set",
                             selection=dict(scores=scores, query_pos=o["query_pos"], w=o["w"], sinks=o["sinks"],
                                            topk=o["topk"]))
-    exact = oracle.retrieval_attention(o["q_post"], o["k_post"], o["v"], np.asarray(mask))
-    ctx.assert_close(out, exact, clause=clause, what="output vs exact attention over the selected post-RoPE keys")
+    exact = oracle.retrieval_attention(o["q_post"], o["k_post"], o["v"], np.asarray(mask), scale=scale)
+    shown = "1/sqrt(d)" if scale is None else f"{scale!r}"
+    ctx.assert_close(out, exact, clause=clause,
+                     what=f"output vs exact attention (scale={shown}) over the selected post-RoPE keys")

@@ -164,6 +164,9 @@ class Model:
     def attention_query(self, q_post, *, query_pos, b, w, inv, traditional):   # RET-DECODE: q at its own position
         return _f(q_post)
 
+    def attention_scale(self, scale, d):     # RET-ATTN/RET-DECODE: the caller's scale, 1/sqrt(d) when None
+        return 1.0 / math.sqrt(d) if scale is None else scale
+
     def token_scores_for(self, q_post, k_post, codes, C, *, query_pos, b, w, inv, traditional, scale):
         """RET-LUT: LUT of q R_b (from the post-RoPE query at query_pos) indexed by the codes."""
         q_b = self.far_query(q_post, b=self.far_b(b, w), inv_freqs=inv, traditional=traditional,
@@ -299,7 +302,7 @@ class Model:
         q, k, v = _f(q), _f(k), _f(v)
         n_q, d = q.shape
         G = n_q // k.shape[0]
-        s = 1.0 / math.sqrt(d) if scale is None else scale
+        s = self.attention_scale(scale, d)
         out = np.empty((n_q, v.shape[-1]))
         for h in range(n_q):
             g = h // G
@@ -749,6 +752,10 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("key-as-proxy-query", "the incoming key used as a proxy query: tokens scored with the newest key instead "
          "of the query", _DECODE,
          _model("ProxyQuery", "key as query", token_scores_for=_proxy_scores)),
+    _dev("attention-scale-wrong", "attention logits scaled wrongly in the decode step: the scale passed (decode_step's "
+         "scale, the cache's config['scale']) ignored for 1/sqrt(d), or 1/d used as the default", _DECODE,
+         _model("ScaleIgnored", "always 1/sqrt(d)", attention_scale=lambda self, scale, d: 1.0 / math.sqrt(d)),
+         _model("ScaleOverD", "1/d by default", attention_scale=lambda self, scale, d: 1.0 / d if scale is None else scale)),
     _dev("values-quantized", "values quantized (float16, bfloat16 or 8-bit per token) before attention",
          _DECODE,
          _lowp("ValuesF16", "float16", values=1), _lowp("ValuesBF16", "bfloat16", values=1),

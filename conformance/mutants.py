@@ -551,11 +551,101 @@ class DecodeWrapsCodes(Mutant):
 
 # ---- gaps in the decode scale and the cache (RET-DECODE, CACHE-*, CODES-DTYPE)
 
+@_gap
+class DecodeIgnoresScale(Mutant):
+    expected_clause = "RET-DECODE"
+    bug = "decode_step drops its scale argument (always 1/sqrt(d)), e.g. Gemma's query_pre_attn_scalar ignored"
+    gap = "test_retrieval.py::test_decode_step_matches_oracle"
+    expected_cause = "attention-scale-wrong"
+
+    def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
+                    scale=None, return_mask=False):
+        return self._ref.decode_step(q_post, k_post, v, codes, C, query_pos=query_pos, b=b, w=w, sinks=sinks,
+                                     topk=topk, inv_freqs=inv_freqs, traditional=traditional, scale=None,
+                                     return_mask=return_mask)
 
 
+class _NoScaleCache(_SameClassOnLoad, ReferenceCache):
+    """config["scale"] never reaches the cache's decode (prefill still gets it)."""
+
+    def decode(self, q_post):
+        q = self._in(q_post)
+        out = self._c.decode(q[:, :, None, :], scale=None)
+        return self._out(out[:, :, 0, :]), self._out(self._c.last_selection)
 
 
+@_gap
+class CacheIgnoresScale(Mutant):
+    expected_clause = "CACHE-DECODE"
+    bug = "the cache's decode ignores config['scale'] (always 1/sqrt(d))"
+    gap = "test_cache.py::test_decode_matches_oracle"
+    expected_cause = "attention-scale-wrong"
+
+    def make_cache(self, config):
+        return _NoScaleCache(config)
 
 
+class _U16At256Cache(_SameClassOnLoad, ReferenceCache):
+    """Codes stored as uint8 only for K < 256: off by one, K = 256 codes (0..255) fit uint8."""
 
+    def codes(self):
+        K = np.asarray(self.config["Cz"]).shape[1]
+        return super().codes().astype(np.uint8 if K < 256 else np.uint16)
+
+
+@_gap
+class CacheCodesU16At256(Mutant):
+    expected_clause = "CODES-DTYPE"
+    bug = "cache stores codes as uint8 only for K < 256 (K = 256 gets uint16); code_dtype() itself is right"
+    gap = "test_cache.py::test_cache_codes_dtype"
+
+    def make_cache(self, config):
+        return _U16At256Cache(config)
+
+
+class _TrimKeepsCountsCache(_SameClassOnLoad, ReferenceCache):
+    """The sort-free (GPU) decode path, which walks per-code counts of the coded tokens; trim drops keys,
+    values, codes and offset but leaves those counts as they were."""
+
+    def __init__(self, config, _cache=None):
+        super().__init__(config, _cache)
+        self._c.select_method = "sortfree"
+
+    def trim(self, n):
+        counts = self._c._counts
+        kept = None if counts is None else counts.copy()
+        got = super().trim(n)
+        if kept is not None:
+            self._c._counts, self._c._counts_mx = kept, None
+        return got
+
+
+@_gap
+class TrimKeepsCodeCounts(Mutant):
+    expected_clause = "CACHE-TRIM"
+    bug = "trim rolls back keys, values, codes and offset but not the per-code counts the sort-free (GPU) top-k walks"
+    gap = "test_cache.py::test_trim_rollback"
+
+    def make_cache(self, config):
+        return _TrimKeepsCountsCache(config)
+
+
+class _TrimZeroCache(_SameClassOnLoad, ReferenceCache):
+    """trim slices the buffers with [:-n]: keys[..., :-0, :] is empty, so trim(0) drops every token."""
+
+    def trim(self, n):
+        if isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n == 0:
+            self._c.trim(self.offset)
+            return 0
+        return super().trim(n)
+
+
+@_gap
+class TrimZeroClears(Mutant):
+    expected_clause = "CACHE-TRIM"
+    bug = "trim slices buffers with [:-n]; trim(0) (speculative decoding, every draft accepted) empties the cache"
+    gap = "test_cache.py::test_trim_rollback"
+
+    def make_cache(self, config):
+        return _TrimZeroCache(config)
 

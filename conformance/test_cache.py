@@ -18,8 +18,16 @@ from a2ats_conformance.tolerances import tolerance
 from a2ats_spec import oracle
 
 
+#: config["scale"], the attention scale of the cache's decode and prefill: None (1/sqrt(d)) or a model's own
+#: (Gemma's query_pre_attn_scalar); the oracle side of every comparison uses config["scale"]. No scale far
+#: above 1/sqrt(d): float16 prefill (mlx-lm's fused attention) rounds logits, and the tolerance table's
+#: PREFILL/CACHE-CHUNK entries hold for logits of the default size (0.3 is at most 1.2 times it, d <= 16).
+CACHE_SCALES = (None, 0.3)
+
+
 @st.composite
-def cache_setup(draw, *, max_T=24, topk=None, w=None, sinks=None, max_dim=16, Ks=(2, 8, 300), heads=None, head_dim=None):
+def cache_setup(draw, *, max_T=24, topk=None, w=None, sinks=None, max_dim=16, Ks=(2, 8, 300), heads=None, head_dim=None,
+                scale=CACHE_SCALES):
     p = draw(hh.rope_params(max_dim=max_dim, head_dim=head_dim, scaled=False), label="rope")
     n_q, n_kv = draw(hh.gqa_heads(max_kv=2) if heads is None else heads, label="heads")
     K = draw(st.sampled_from(Ks), label="K")
@@ -33,9 +41,9 @@ def cache_setup(draw, *, max_T=24, topk=None, w=None, sinks=None, max_dim=16, Ks
                   w=draw(st.integers(0, 6), label="w") if w is None else w, b=draw(st.sampled_from([64, 2048]), label="b"),
                   sinks=draw(st.integers(0, 3), label="sinks") if sinks is None else sinks,
                   topk=draw(hh.topk_values(fractions=(0.1, 0.5), counts=(2, 4)) if topk is None else hh.as_strategy(topk, "topk"),
-                            label="topk"), scale=None)
+                            label="topk"), scale=draw(st.sampled_from(scale), label="scale"))
     return config, rng, dict(seed=seed, n_q=n_q, n_kv=n_kv, K=K, head_dim=d, w=config["w"], b=config["b"],
-                             sinks=config["sinks"], topk=config["topk"])
+                             sinks=config["sinks"], topk=config["topk"], scale=config["scale"])
 
 
 def _cast_config(ctx, config):
@@ -109,31 +117,66 @@ def _same_state(ctx, a, b, clause, what):
         ctx.assert_equal(a[key], b[key], clause=clause, what=f"{what}: {key}")
 
 
+#: What the caller does between writing B and trimming it. Speculative decoding decodes every draft token
+#: before it rejects some ("decode": B written token by token, a decode after each); "codes" reads the codes.
+#: Either makes a lazily coding port code B, and a port that keeps per-code counts (a sort-free top-k reads
+#: them instead of the codes) count B: trim must roll that back too, or the decodes after it differ.
+_BEFORE_TRIM = ("nothing", "codes", "decode")
+
+
+def _trim_setup():
+    """The explicit examples' setup: K = 8 codes over 1 KV head, a top-2 selection beside window and sinks."""
+    return _fixed_setup(d=4, n_q=2, n_kv=1, K=8, w=1, sinks=1, topk=hh.topk_for_count(2, 12))
+
+
 @pytest.mark.clause("CACHE-TRIM", requires={"cache_ops": ("trim", "decode")})
-@given(setup=cache_setup(), nA=st.integers(1, 10), nB=st.integers(1, 6), nC=st.integers(1, 6))
-def test_trim_rollback(ctx, setup, nA, nB, nC):
-    """A then B then trim(|B|) == state after A (codes, positions, offset); then C == A then C."""
+@given(setup=cache_setup(), nA=st.integers(1, 10), nB=st.integers(0, 6), nC=st.integers(1, 6),
+       before=st.sampled_from(_BEFORE_TRIM))
+@example(setup=None, nA=8, nB=4, nC=3, before="decode")   # speculative decoding, drafts rejected
+@example(setup=None, nA=5, nB=0, nC=2, before="decode")   # every draft accepted: trim(0)
+def test_trim_rollback(ctx, setup, nA, nB, nC, before):
+    """A, then B (with codes read or decodes in between, as speculative decoding does), then trim(|B|) == the
+    state after A (keys, values, codes, positions, offset) and the same decode (selection and output) as a
+    cache fed only A; then C == A then C, state and decode. |B| = 0 is trim(0): a no-op returning 0."""
+    if setup is None:
+        setup = _trim_setup()
     config, rng, notes = setup
-    ctx.note(**notes, nA=nA, nB=nB, nC=nC)
+    ctx.note(**notes, nA=nA, nB=nB, nC=nC, before_trim=before)
     _, kA, vA = _tokens(ctx, config, rng, 0, nA)
     _, kB, vB = _tokens(ctx, config, rng, nA, nB)
     _, kC, vC = _tokens(ctx, config, rng, nA, nC)
-    q = ctx.cast(hh.normal(rng, (config["n_q_heads"], config["head_dim"])))
+    qA = _query(ctx, config, rng, nA - 1)
+    q = _query(ctx, config, rng, nA + nC - 1)
     c1, c2 = CacheCalls(ctx, config), CacheCalls(ctx, config)
     c1.append(kA, vA)
-    c1.append(kB, vB)
+    if before == "decode":
+        c1.decode(qA)
+        for t in range(nB):
+            c1.append(kB[:, t:t + 1], vB[:, t:t + 1])
+            c1.decode(_query(ctx, config, rng, nA + t))
+    elif nB:
+        c1.append(kB, vB)
+    if before == "codes":
+        c1.codes()
+    did = {"nothing": "", "codes": ", codes()", "decode": ", a decode after each token"}[before]
+    how = f"A ({nA} tokens), B ({nB} tokens{did}), trim({nB})"
     n = c1.trim(nB)
-    if int(n) != nB:
-        ctx.fail("CACHE-TRIM", f"trim({nB}) returned {n!r}, expected {nB}")
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or int(n) != nB:
+        ctx.fail("CACHE-TRIM", f"trim({nB}) returned {n!r}, expected {nB}" + (" (trim(0) is a no-op)" if nB == 0 else ""))
     c2.append(kA, vA)
-    _same_state(ctx, _state(c1), _state(c2), "CACHE-TRIM", "A, B, trim(|B|) vs A")
+    _same_state(ctx, _state(c1), _state(c2), "CACHE-TRIM", f"{how} vs A")
+    o1, m1 = c1.decode(qA)
+    o2, m2 = c2.decode(qA)
+    ctx.assert_equal(m1, m2, clause="CACHE-TRIM", what=f"decode selection after {how} vs after A")
+    ctx.assert_close(o1, o2, clause="CACHE-TRIM", what=f"decode output after {how} vs after A", rtol=0, atol=0)
     c1.append(kC, vC)
     c2.append(kC, vC)
-    _same_state(ctx, _state(c1), _state(c2), "CACHE-TRIM", "A, B, trim(|B|), C vs A, C")
+    _same_state(ctx, _state(c1), _state(c2), "CACHE-TRIM", f"{how}, C vs A, C")
     o1, m1 = c1.decode(q)
     o2, m2 = c2.decode(q)
-    ctx.assert_equal(m1, m2, clause="CACHE-TRIM", what="decode selection after trim vs without")
-    ctx.assert_close(o1, o2, clause="CACHE-TRIM", what="decode output after trim vs without", rtol=0, atol=0)
+    ctx.assert_equal(m1, m2, clause="CACHE-TRIM", what=f"decode selection after {how}, C ({nC} tokens) vs A, C")
+    ctx.assert_close(o1, o2, clause="CACHE-TRIM", what=f"decode output after {how}, C ({nC} tokens) vs A, C",
+                     rtol=0, atol=0)
     total = c1.offset
     got = c1.trim(total + 5)
     if int(got) != total or c1.offset != 0:
@@ -217,7 +260,7 @@ def test_decode_matches_oracle(ctx, setup, T):
     out, mask = c.decode(q_post)
     inp = dict(q_post=q_post, k_post=k, v=v, codes=codes, C=cfg["C"], query_pos=T - 1, b=config["b"],
                w=config["w"], sinks=config["sinks"], topk=config["topk"], inv_freqs=config["inv_freqs"],
-               traditional=config["traditional"])
+               traditional=config["traditional"], scale=config["scale"])
     check_decode(ctx, out, mask, inp, "CACHE-DECODE")
 
 
@@ -272,7 +315,7 @@ def test_full_selection_is_dense_attention(ctx, case):
     out, mask = c.decode(q)
     ctx.assert_equal(np.asarray(mask), np.ones((config["n_kv_heads"], T), bool), clause="CACHE-DENSE-EQUIV",
                      what=f"everything selected ({how})")
-    dense = ctx.oracle("prefill_attention", q[:, None, :], k, v)[:, 0, :]
+    dense = ctx.oracle("prefill_attention", q[:, None, :], k, v, scale=config["scale"])[:, 0, :]
     ctx.assert_close(out, dense, clause="CACHE-DENSE-EQUIV", what="decode with everything selected vs dense attention")
 
 
@@ -302,8 +345,12 @@ def test_save_load_roundtrip(ctx, setup, T, n):
 
 
 @pytest.mark.clause("CODES-DTYPE", needs=("make_cache",))
-@given(setup=cache_setup(), T=st.integers(1, 6))
+@given(setup=cache_setup(Ks=(2, 8, 255, 256, 257, 300)), T=st.integers(1, 6))
+@example(setup=None, T=3)   # K = 256, the largest uint8 codebook, in every run
 def test_cache_codes_dtype(ctx, setup, T):
+    """The cache stores codes as code_dtype(K): uint8 up to K = 256 inclusive (255, 256, 257 drawn: the edge)."""
+    if setup is None:
+        setup = _fixed_setup(d=4, n_q=2, n_kv=1, K=256, w=2, sinks=1, topk=hh.topk_for_count(1, 3))
     config, rng, notes = setup
     ctx.note(**notes, T=T)
     c = CacheCalls(ctx, config)
@@ -388,7 +435,7 @@ def test_long_positions(ctx, setup, start, T, cut):
     a long prefix written in two appends, then T tokens; codes and the decode checked against the oracle
     cache. Margins grow with the largest position (tolerances.angle_error), never the other way round."""
     if setup is None:
-        setup = _fixed_setup(d=2, n_q=2, n_kv=1, K=8, w=4, sinks=2, topk=hh.topk_for_count(100, start + T))
+        setup = _fixed_setup(d=2, n_q=2, n_kv=1, K=8, w=4, sinks=2, topk=hh.topk_for_count(100, start + T), scale=0.3)
     config, rng, notes = setup
     ctx.note(**notes, start=start, T=T, cut=cut)
     ctx.positions_up_to(max(start + T - 1, config["b"]))
@@ -404,7 +451,7 @@ def test_long_positions(ctx, setup, start, T, cut):
     _check_cache_decode(ctx, c, orc, q, "CACHE-DECODE")
 
 
-def _fixed_setup(*, d, n_q, n_kv, K, w, sinks, topk, b=2048, seed=7):
+def _fixed_setup(*, d, n_q, n_kv, K, w, sinks, topk, b=2048, seed=7, scale=None):
     """A cache_setup tuple built without Hypothesis (for @example), in the IUT's first declared RoPE layout."""
     rng = hh.rng_from(seed)
     traditional = capabilities.current().traditional_values[0]
@@ -412,8 +459,9 @@ def _fixed_setup(*, d, n_q, n_kv, K, w, sinks, topk, b=2048, seed=7):
     Cz = hh.normal(rng, (n_kv, K, d))
     L = np.stack([oracle.cholesky(hh.spd_matrix(rng, d, cond=10.0)) for _ in range(n_kv)])
     config = dict(n_kv_heads=n_kv, n_q_heads=n_q, head_dim=d, Cz=Cz, L=L, C=oracle.back_transform(Cz, L),
-                  inv_freqs=inv, traditional=traditional, w=w, b=b, sinks=sinks, topk=topk, scale=None)
-    return config, rng, dict(seed=seed, n_q=n_q, n_kv=n_kv, K=K, head_dim=d, w=w, b=b, sinks=sinks, topk=topk)
+                  inv_freqs=inv, traditional=traditional, w=w, b=b, sinks=sinks, topk=topk, scale=scale)
+    return config, rng, dict(seed=seed, n_q=n_q, n_kv=n_kv, K=K, head_dim=d, w=w, b=b, sinks=sinks, topk=topk,
+                             scale=scale)
 
 #: a2ats_ref/fast_decode.py selects on the host from this many candidates (HOST_SELECT_MIN); a port may have
 #: any such threshold, the suite only makes sure one example per run is past it.

@@ -202,6 +202,12 @@ def test_retrieval_attention_matches_oracle(ctx, data):
     ctx.check("retrieval_attention", q, k, v, mask, scale=scale, clause="RET-ATTN")
 
 
+#: decode_step's attention scale: None (1/sqrt(d)) and explicit values a model passes (Gemma's
+#: query_pre_attn_scalar gives scales other than 1/sqrt(d)); both differ from 1/sqrt(d) at every drawn d.
+#: (near_tie_case keeps the default: its levels and RET-LUT's margin are calibrated at 1/sqrt(d).)
+DECODE_SCALES = st.sampled_from([None, 0.3, 1.0])
+
+
 def decode_case(draw, *, max_T=60):
     p = draw(hh.rope_params(max_dim=32, scaled=False), label="rope")
     n_q, n_kv = draw(hh.gqa_heads(), label="heads")
@@ -211,6 +217,7 @@ def decode_case(draw, *, max_T=60):
     sinks = draw(st.integers(0, 4), label="sinks")
     b = draw(st.sampled_from([64, 2048]), label="b")
     topk = draw(hh.topk_values(fractions=(0.03, 0.1, 0.3, 1.0), counts=(2, 5)), label="topk")
+    scale = draw(DECODE_SCALES, label="scale")
     seed = draw(hh.seeds(), label="seed")
     rng = hh.rng_from(seed)
     d = p["d"]
@@ -221,14 +228,16 @@ def decode_case(draw, *, max_T=60):
     q_post = oracle.rope_apply(q_pre, np.full(n_q, T - 1), inv, traditional=t)
     k_post = oracle.rope_apply(k_pre, np.arange(T), inv, traditional=t)
     return dict(q_post=q_post, k_post=k_post, v=v, codes=codes, C=C, query_pos=T - 1, b=b, w=w, sinks=sinks,
-                topk=topk, inv_freqs=inv, traditional=t), dict(seed=seed, n_q=n_q, n_kv=n_kv, T=T, K=K, head_dim=d)
+                topk=topk, inv_freqs=inv, traditional=t, scale=scale), dict(seed=seed, n_q=n_q, n_kv=n_kv, T=T, K=K,
+                                                                             head_dim=d)
 
 
 @pytest.mark.clause("RET-DECODE")
 @given(data=st.data())
 def test_decode_step_matches_oracle(ctx, data):
+    """RET-DECODE, scale=None or explicit (check_decode's expected output uses the scale passed)."""
     inp, notes = decode_case(data.draw)
-    ctx.note(**notes, w=inp["w"], sinks=inp["sinks"], b=inp["b"], topk=inp["topk"])
+    ctx.note(**notes, w=inp["w"], sinks=inp["sinks"], b=inp["b"], topk=inp["topk"], scale=inp["scale"])
     out, mask = ctx.call("decode_step", **inp, return_mask=True)
     check_decode(ctx, out, mask, inp, "RET-DECODE")
 

@@ -28,12 +28,12 @@ def _probes():
     Ls = np.stack([L, oracle.cholesky(H + np.eye(d))])
     C = oracle.back_transform(Cz, Ls)
 
-    def decode_call(T):
+    def decode_call(T, scale=None):
         k_post = oracle.rope_apply(rng.standard_normal((n_kv, T, d)), np.arange(T), inv, traditional=True)
         q_post = oracle.rope_apply(rng.standard_normal((n_q, d)), np.full(n_q, T - 1), inv, traditional=True)
         return ("decode_step", (q_post, k_post, rng.standard_normal((n_kv, T, d)),
                                 rng.integers(0, K, (n_kv, T)).astype(np.uint8), C),
-                dict(query_pos=T - 1, b=64, w=3, sinks=2, topk=0.2, return_mask=True, **kw))
+                dict(query_pos=T - 1, b=64, w=3, sinks=2, topk=0.2, return_mask=True, scale=scale, **kw))
 
     def tokens(start, n):
         k = oracle.rope_apply(rng.standard_normal((n_kv, n, d)), np.arange(start, start + n), inv, traditional=True)
@@ -73,7 +73,7 @@ def _probes():
         [("rope_inv_freqs", (64, 500000.0, {"rope_type": "llama3", "factor": 8.0}), {})],   # llama3 defaults read
         [("rope_inv_freqs", (64, 10000.0, {"type": "linear", "factor": 4.0}), {})],
         [("select_tokens", (rng.standard_normal((n_q, 40)),), dict(n_kv_heads=n_kv, query_pos=30, w=3, sinks=2, topk=0.2))],
-        [decode_call(40)], [decode_call(300)], cache_calls, long_cache, batched,
+        [decode_call(40)], [decode_call(300)], [decode_call(40, scale=0.3)], cache_calls, long_cache, batched,
     ]
 
 

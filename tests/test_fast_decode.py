@@ -359,14 +359,16 @@ def test_auto_picks_sortfree_off_the_cpu(monkeypatch):
 
 
 def test_conformance_checks_the_sortfree_path(tmp_path):
-    """The suite's own RET-DECODE and CACHE-DECODE checks run the sort-free path on this backend (on a GPU
-    the default adapter's caches take it through method="auto" already; here it is forced)."""
+    """The suite's own RET-DECODE, CACHE-DECODE and CACHE-TRIM checks run the sort-free path on this backend (on
+    a GPU the default adapter's caches take it through method="auto" already; here it is forced). CACHE-TRIM
+    decodes before trimming, so the per-code counts that path walks must be rolled back."""
     import json
 
     from a2ats_conformance.cli import main
 
     out = tmp_path / "r.json"
     code = main(["--iut", "a2ats_conformance.adapters.reference:SortFreeReference", "--profile", "selftest",
-                 "--seed", "0", "-q", "--clauses", "RET-DECODE,CACHE-DECODE", "--report-json", str(out)])
+                 "--seed", "0", "-q", "--clauses", "RET-DECODE,CACHE-DECODE,CACHE-TRIM", "--report-json", str(out)])
     clauses = json.loads(out.read_text())["clauses"]
-    assert code == 0 and {c: v["status"] for c, v in clauses.items()} == {"RET-DECODE": "pass", "CACHE-DECODE": "pass"}
+    assert code == 0 and {c: v["status"] for c, v in clauses.items()} == {"RET-DECODE": "pass", "CACHE-DECODE": "pass",
+                                                                          "CACHE-TRIM": "pass"}
