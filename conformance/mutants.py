@@ -389,15 +389,6 @@ class RidgeIgnored(Mutant):
         return self._ref.query_moment(queries, n_kv_heads=n_kv_heads, ridge=0.0, **kw)
 
 
-
-
-
-
-
-
-
-
-
 @_gap
 class KmeansppSearchsortedLeft(Mutant):
     expected_clause = "EQ-17-INIT"
@@ -463,7 +454,6 @@ class EmptyClusterStaleCounts(Mutant):
 
     def lloyd_step(self, z, C):
         return _lloyd_empty_rule(z, C, stale_counts=True)
-
 
 
 # ---- gaps in ROPE-FREQ, RET-TOPK and INPUT-ERRORS
@@ -539,14 +529,6 @@ class DecodeWrapsCodes(Mutant):
         K = np.asarray(C).shape[-2]
         c = np.asarray(codes)
         return self._ref.decode_step(q_post, k_post, v, (c.astype(np.int64) % K).astype(np.uint16), C, **kw)
-
-
-
-
-
-
-
-
 
 
 # ---- gaps in the decode scale and the cache (RET-DECODE, CACHE-*, CODES-DTYPE)
@@ -648,4 +630,3 @@ class TrimZeroClears(Mutant):
 
     def make_cache(self, config):
         return _TrimZeroCache(config)
-
