@@ -106,8 +106,8 @@ class Model:
     def is_sink(self, j, sinks):             # RET-SELECT: sinks are forced
         return j < sinks
 
-    def topk_length(self, i, T, capacity):   # RET-TOPK: a query at i sees i + 1 tokens (capacity: cache buffer)
-        return i + 1
+    def topk_length(self, i, T, capacity, n_candidates):   # RET-TOPK: a query at i sees i + 1 tokens
+        return i + 1                         # (capacity: the cache's buffer; n_candidates: neither sink nor window)
 
     def count(self, n, topk, n_candidates):  # RET-TOPK: int() of the fraction
         return _o.topk_count(n, topk, n_candidates)
@@ -263,7 +263,7 @@ class Model:
         forced = (j <= i) & (self.is_sink(j, sinks) | ((i - j >= 0) & self.is_near(i - j, w)))
         pool = (j <= i) if self.duplicates() else ((j <= i) & ~forced)
         idx = np.flatnonzero(pool)
-        k = self.count(self.topk_length(i, T, capacity), topk, int(idx.size))
+        k = self.count(self.topk_length(i, T, capacity, int(idx.size)), topk, int(idx.size))
         if k == 0 and not forced.any():      # RET-SELECT: never empty, the query's own token instead
             forced = forced.copy()
             forced[i] = True
@@ -696,10 +696,13 @@ DEVIATIONS: tuple[Deviation, ...] = (
          _model("HOneHead", "first head pooled", pooled_heads=lambda self, G: range(1))),
     _dev("topk-over-T", "top-k count int(topk·T) over the whole score row (T tokens) instead of the i + 1 tokens "
          "the query sees", _SELECT,
-         _model("TopkOverT", "over T", topk_length=lambda self, i, T, cap: T)),
+         _model("TopkOverT", "over T", topk_length=lambda self, i, T, cap, nc: T)),
     _dev("topk-over-buffer", "top-k count over the cache's allocated buffer (a multiple of 256 tokens) instead of "
          "the i + 1 tokens the query sees", {"make_cache"},
-         _model("TopkOverBuffer", "over capacity", topk_length=lambda self, i, T, cap: i + 1 if cap is None else cap)),
+         _model("TopkOverBuffer", "over capacity", topk_length=lambda self, i, T, cap, nc: i + 1 if cap is None else cap)),
+    _dev("topk-over-candidates", "top-k count int(topk·n) over the candidates (the i + 1 visible tokens less sinks "
+         "and window) instead of over the i + 1 tokens the query sees", _SELECT,
+         _model("TopkOverCandidates", "over the candidates", topk_length=lambda self, i, T, cap, nc: max(nc, 1))),
     _dev("topk-rounded-up", "top-k count rounded up, ceil(topk·n), instead of the authors' int() (floor)",
          {"topk_count"} | _SELECT,
          _model("TopkCeil", "ceil", count=lambda self, n, topk, nc: (
@@ -749,6 +752,11 @@ DEVIATIONS: tuple[Deviation, ...] = (
          "positions (relative position b - j) instead of the query at its own position i", _DECODE,
          _model("FarQueryAttention", "q R_(b-i) in attention", attention_query=lambda self, q, *, query_pos, b, w, inv,
                 traditional: self.far_query(q, b=b, inv_freqs=inv, traditional=traditional, positions=query_pos))),
+    _dev("query-not-derotated", "LUT query not de-rotated: the post-RoPE query times R_b (q_post·R_b = "
+         "q_pre·R_(i+b)) instead of far_query(q_post, positions=i) = q_pre·R_b (EQ-12: rotate by b - i)",
+         {"far_query"} | _DECODE,
+         _model("QueryNotDerotated", "q_post R_b", far_query=lambda self, q, *, b, inv_freqs, traditional,
+                positions=None: Model.far_query(self, q, b=b, inv_freqs=inv_freqs, traditional=traditional))),
     _dev("key-as-proxy-query", "the incoming key used as a proxy query: tokens scored with the newest key instead "
          "of the query", _DECODE,
          _model("ProxyQuery", "key as query", token_scores_for=_proxy_scores)),

@@ -630,3 +630,81 @@ class TrimZeroClears(Mutant):
 
     def make_cache(self, config):
         return _TrimZeroCache(config)
+
+
+# ---- diagnosis gaps (the failure named no cause, or the wrong one)
+@_gap
+class LutPostRopeQuery(Mutant):
+    expected_clause = "RET-DECODE"
+    bug = "LUT query is the post-RoPE query times R_b (q_post R_b = q_pre R_{i+b}): never de-rotated from position i"
+    gap = "test_retrieval.py::test_decode_step_matches_oracle"
+    expected_cause = "query-not-derotated"
+
+    def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
+                    scale=None, return_mask=False):
+        qb = _o.far_query(_np(q_post), b=b, inv_freqs=_np(inv_freqs), traditional=traditional)   # positions left out
+        s = _o.token_scores(_o.lut_scores(qb, _np(C)), np.asarray(codes))
+        mask = np.asarray(self._ref.select_tokens(s.astype(np.float32), n_kv_heads=np.asarray(C).shape[0],
+                                                  query_pos=query_pos, w=w, sinks=sinks, topk=topk))
+        out = self._ref.retrieval_attention(q_post, k_post, v, mask, scale=scale)
+        return (out, mask) if return_mask else out
+
+
+@_gap
+class TopkOverCandidates(Mutant):
+    expected_clause = "RET-SELECT"
+    bug = "top-k count int(topk * #candidates) (the i + 1 visible tokens less sinks and window), not int(topk * (i + 1))"
+    gap = "test_retrieval.py::test_select_tokens_is_an_allowed_selection"
+    expected_cause = "topk-over-candidates"
+
+    def select_tokens(self, scores, *, n_kv_heads, query_pos, w, sinks, topk):
+        j = np.arange(np.asarray(scores).shape[-1])
+        i = int(query_pos)
+        n_cand = int(np.sum((j <= i) & (j >= sinks) & (i - j >= w)))
+        if isinstance(topk, float):
+            k = int(topk * n_cand)
+            topk = k if k >= 1 else 1e-12     # a count of 0 (the never-empty rule still applies)
+        return self._ref.select_tokens(scores, n_kv_heads=n_kv_heads, query_pos=query_pos, w=w, sinks=sinks, topk=topk)
+
+
+class _SaveDropsParamCache(ReferenceCache):
+    """save() does not write one retrieval parameter; load() leaves it at A2ATSConfig's default."""
+
+    param = ""
+
+    def load(self, path):
+        import dataclasses
+
+        from a2ats_ref.cache import A2ATSConfig
+
+        r = super().load(path)
+        r._c.config = dataclasses.replace(r._c.config, **{self.param: getattr(A2ATSConfig(), self.param)})
+        return type(self)(self.config, r._c)
+
+
+class _SaveDropsWindowCache(_SaveDropsParamCache):
+    param = "w"
+
+
+class _SaveDropsBCache(_SaveDropsParamCache):
+    param = "b"
+
+
+@_gap
+class SaveDropsWindow(Mutant):
+    expected_clause = "CACHE-SAVE"
+    bug = "save/load does not store the window w; a loaded cache uses the default w = 64"
+    gap = "test_cache.py::test_save_load_roundtrip"
+
+    def make_cache(self, config):
+        return _SaveDropsWindowCache(config)
+
+
+@_gap
+class SaveDropsB(Mutant):
+    expected_clause = "CACHE-SAVE"
+    bug = "save/load does not store the far position b; a loaded cache uses the default b = 2048"
+    gap = "test_cache.py::test_save_load_roundtrip"
+
+    def make_cache(self, config):
+        return _SaveDropsBCache(config)

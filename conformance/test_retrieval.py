@@ -103,11 +103,21 @@ def _select_and_check(ctx, case, clause):
     return np.asarray(mask)
 
 
+def _count_case(T, query_pos, w, sinks, topk, seed=11):
+    """A scores_case for @example: one query head, distinct scores."""
+    return {"n_q": 1, "n_kv": 1, "T": T, "query_pos": query_pos, "w": w, "sinks": sinks, "topk": topk, "seed": seed,
+            "scores": hh.normal(hh.rng_from(seed), (1, T))}
+
+
 @pytest.mark.clause("RET-SELECT")
 @given(case=hh.scores_case())
+# RET-SELECT: the count is int(topk · (i + 1)) = 10; over the T = 48 scores it is 12, over the 28 candidates
+# (neither sink nor window) 7: a port counting over the wrong length picks the wrong number of tokens
+@example(case=_count_case(T=48, query_pos=39, w=8, sinks=4, topk=0.25))
 def test_select_tokens_is_an_allowed_selection(ctx, case):
     """Sinks and window always kept; per head a valid top-k of the candidates (near ties from the oracle's
     margin); union over the GQA group; nothing after the query position."""
+    assume(isinstance(case["topk"], int) or "fraction" in capabilities.current().topk)   # the example is a fraction
     ctx.note(**{k: v for k, v in case.items() if k != "scores"})
     mask = _select_and_check(ctx, case, "RET-SELECT")
     G = case["n_q"] // case["n_kv"]
