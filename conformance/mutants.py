@@ -630,3 +630,30 @@ class TrimZeroClears(Mutant):
 
     def make_cache(self, config):
         return _TrimZeroCache(config)
+
+
+# ---- gaps in EQ-13 to EQ-18 (second audit)
+def _first_L(L):
+    """A stack of L (..., d, d) collapsed to its first matrix: the broadcast written as L[0]."""
+    L = np.asarray(L)
+    return L.reshape(-1, L.shape[-2], L.shape[-1])[0] if L.ndim > 2 else L
+
+
+@_gap
+class ZTransformBatchedFirstL(Mutant):
+    expected_clause = "EQ-16"
+    bug = "z_transform with a per-head stack L (n_kv, d, d) uses L[0] for every head"
+    gap = "test_eq15_eq16_eq18.py::test_z_transform_per_head_L"
+
+    def z_transform(self, k, L):
+        return self._ref.z_transform(k, _first_L(L))
+
+
+@_gap
+class BackTransformBatchedFirstL(Mutant):
+    expected_clause = "EQ-18"
+    bug = "back_transform with a per-head stack L (n_kv, d, d) solves every head with L[0]"
+    gap = "test_eq15_eq16_eq18.py::test_back_transform_per_head_L"
+
+    def back_transform(self, Cz, L):
+        return self._ref.back_transform(Cz, _first_L(L))
