@@ -657,3 +657,23 @@ class BackTransformBatchedFirstL(Mutant):
 
     def back_transform(self, Cz, L):
         return self._ref.back_transform(Cz, _first_L(L))
+
+
+@_gap
+class AssignZCodesUint8(Mutant):
+    expected_clause = "EQ-16"
+    bug = "assign_z returns uint8 codes (the 256-entry sub-vector habit): codes of K > 256 codebooks wrap modulo 256"
+    gap = "test_eq15_eq16_eq18.py::test_assign_z_large_codebook"
+
+    def assign_z(self, k, Cz, L):
+        return np.asarray(self._ref.assign_z(k, Cz, L)).astype(np.uint8)
+
+
+@_gap
+class AssignCodesSaturate255(Mutant):
+    expected_clause = "EQ-14"
+    bug = "assign stores codes in uint8 with a saturating cast (np.minimum(codes, 255)): codes >= 256 read as 255"
+    gap = "test_eq13_eq14_assign.py::test_assign_large_codebook"
+
+    def assign(self, k, C, H):
+        return np.minimum(np.asarray(self._ref.assign(k, C, H)).astype(np.int64), 255).astype(np.uint8)

@@ -70,6 +70,22 @@ def test_assign_z_is_the_eq14_assignment(ctx, case):
                           what="assign_z(k, Cz, L)", values=dist)
 
 
+@pytest.mark.clause("EQ-16", needs=("assign_z",))
+@given(case=hh.large_codebook_case())
+def test_assign_z_large_codebook(ctx, case):
+    """K = 256 ... 1000 z-space codewords, keys whose k L sits on codewords of index >= 255: codes come back whole
+    (a port that returns uint8 codes, or saturates at 255, is wrong for every K > 256)."""
+    ctx.note(seed=case["seed"], head_dim=case["d"], K=case["K"], targets=case["targets"].tolist())
+    L = _L(ctx, case["H"])
+    Cz = case["C"]
+    k = oracle.back_transform(case["k"], L)      # k L = the drawn points next to Cz[targets]
+    codes = ctx.call("assign_z", k, Cz, L)
+    dist = oracle.assign_z_distances(_f64(ctx, k), _f64(ctx, Cz), _f64(ctx, L))
+    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-16", dist)), clause="EQ-16",
+                          what=f"assign_z(k, Cz, L) with K={case['K']} codewords (codes >= 256 must not wrap or saturate)",
+                          values=dist)
+
+
 @pytest.mark.clause("EQ-18")
 @given(case=hh.codebook_case())
 def test_back_transform_matches_oracle(ctx, case):
