@@ -677,3 +677,28 @@ class AssignCodesSaturate255(Mutant):
 
     def assign(self, k, C, H):
         return np.minimum(np.asarray(self._ref.assign(k, C, H)).astype(np.int64), 255).astype(np.uint8)
+
+
+@_gap
+class CholeskyLooseSymmetry(Mutant):
+    expected_clause = "INPUT-ERRORS"
+    bug = "cholesky calls H symmetric up to |H - Hᵀ| <= 1e-3 * max(1, max|H|) (np.allclose-style) and symmetrises it"
+    gap = "test_input_errors.py::test_slightly_asymmetric_H"
+
+    def cholesky(self, H):
+        H = _np(H)
+        asym = float(np.abs(H - np.swapaxes(H, -1, -2)).max()) if H.size else 0.0
+        if asym <= 1e-3 * max(1.0, float(np.abs(H).max()) if H.size else 1.0):
+            H = (H + np.swapaxes(H, -1, -2)) / 2
+        return self._ref.cholesky(H.astype(np.float32))
+
+
+@_gap
+class AssignSymmetrisesH(Mutant):
+    expected_clause = "INPUT-ERRORS"
+    bug = "assign never checks that H is symmetric: it uses (H + Hᵀ)/2, so an asymmetric H is silently accepted"
+    gap = "test_input_errors.py::test_slightly_asymmetric_H"
+
+    def assign(self, k, C, H):
+        H = _np(H)
+        return self._ref.assign(k, C, ((H + H.T) / 2).astype(np.float32))
