@@ -22,7 +22,7 @@ from . import capabilities
 __all__ = [
     "MAX_POSITION", "head_dims", "rope_params", "layouts", "topk_values", "topk_for_count", "gqa_heads", "positions", "spd_matrices",
     "rope_scaling_dict", "LLAMA3_OPTIONAL",
-    "rng_from", "as_strategy", "normal", "codebook_case", "scores_case", "kmeans_points",
+    "rng_from", "as_strategy", "normal", "codebook_case", "large_codebook_case", "scores_case", "kmeans_points",
     "LONG_POSITION", "max_positions",
 ]
 
@@ -196,6 +196,25 @@ def codebook_case(draw, *, max_dim: int = 32, max_K: int = 12, max_points: int =
         C, k = np.round(C), np.round(k)      # many exact ties
     H = draw(spd_matrices(d), label="H")
     return {"d": d, "K": K, "n": n, "seed": seed, "edge": edge, "k": k, "C": C, "H": H}
+
+
+@st.composite
+def large_codebook_case(draw, *, max_dim: int = 16):
+    """codebook_case past the uint8 range: K in {256, 257, 300, 1000} (codes of K > 256 need uint16, CODES-DTYPE),
+    and most keys sit on (or next to) codewords of index >= 255, so a code that wraps modulo 256 or saturates at 255
+    is wrong. Codewords have norm ~sqrt(d) >= 2 apart from near-duplicates, which are rare at d >= 4."""
+    d = draw(st.sampled_from([dd for dd in HEAD_DIMS if 4 <= dd <= max_dim]), label="head_dim")
+    K = draw(st.sampled_from([256, 257, 300, 1000]), label="K")
+    n = draw(st.integers(1, 8), label="n_keys")
+    seed = draw(seeds(), label="seed")
+    rng = rng_from(seed)
+    C = normal(rng, (K, d))
+    targets = np.concatenate([[K - 1, 255], rng.integers(255, K, size=max(0, n - 2))])[:n]
+    k = C[targets] + normal(rng, (n, d), 0.01)
+    k[0] = C[K - 1]                          # one key exactly on the last codeword
+    H = draw(spd_matrices(d, max_cond=100.0), label="H")
+    return {"d": d, "K": K, "n": n, "seed": seed, "edge": "large_K", "k": k, "C": C, "H": H,
+            "targets": targets}
 
 
 @st.composite

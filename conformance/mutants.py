@@ -708,3 +708,75 @@ class SaveDropsB(Mutant):
 
     def make_cache(self, config):
         return _SaveDropsBCache(config)
+
+
+# ---- gaps in EQ-13 to EQ-18 (second audit)
+def _first_L(L):
+    """A stack of L (..., d, d) collapsed to its first matrix: the broadcast written as L[0]."""
+    L = np.asarray(L)
+    return L.reshape(-1, L.shape[-2], L.shape[-1])[0] if L.ndim > 2 else L
+
+
+@_gap
+class ZTransformBatchedFirstL(Mutant):
+    expected_clause = "EQ-16"
+    bug = "z_transform with a per-head stack L (n_kv, d, d) uses L[0] for every head"
+    gap = "test_eq15_eq16_eq18.py::test_z_transform_per_head_L"
+
+    def z_transform(self, k, L):
+        return self._ref.z_transform(k, _first_L(L))
+
+
+@_gap
+class BackTransformBatchedFirstL(Mutant):
+    expected_clause = "EQ-18"
+    bug = "back_transform with a per-head stack L (n_kv, d, d) solves every head with L[0]"
+    gap = "test_eq15_eq16_eq18.py::test_back_transform_per_head_L"
+
+    def back_transform(self, Cz, L):
+        return self._ref.back_transform(Cz, _first_L(L))
+
+
+@_gap
+class AssignZCodesUint8(Mutant):
+    expected_clause = "EQ-16"
+    bug = "assign_z returns uint8 codes (the 256-entry sub-vector habit): codes of K > 256 codebooks wrap modulo 256"
+    gap = "test_eq15_eq16_eq18.py::test_assign_z_large_codebook"
+
+    def assign_z(self, k, Cz, L):
+        return np.asarray(self._ref.assign_z(k, Cz, L)).astype(np.uint8)
+
+
+@_gap
+class AssignCodesSaturate255(Mutant):
+    expected_clause = "EQ-14"
+    bug = "assign stores codes in uint8 with a saturating cast (np.minimum(codes, 255)): codes >= 256 read as 255"
+    gap = "test_eq13_eq14_assign.py::test_assign_large_codebook"
+
+    def assign(self, k, C, H):
+        return np.minimum(np.asarray(self._ref.assign(k, C, H)).astype(np.int64), 255).astype(np.uint8)
+
+
+@_gap
+class CholeskyLooseSymmetry(Mutant):
+    expected_clause = "INPUT-ERRORS"
+    bug = "cholesky calls H symmetric up to |H - Hᵀ| <= 1e-3 * max(1, max|H|) (np.allclose-style) and symmetrises it"
+    gap = "test_input_errors.py::test_slightly_asymmetric_H"
+
+    def cholesky(self, H):
+        H = _np(H)
+        asym = float(np.abs(H - np.swapaxes(H, -1, -2)).max()) if H.size else 0.0
+        if asym <= 1e-3 * max(1.0, float(np.abs(H).max()) if H.size else 1.0):
+            H = (H + np.swapaxes(H, -1, -2)) / 2
+        return self._ref.cholesky(H.astype(np.float32))
+
+
+@_gap
+class AssignSymmetrisesH(Mutant):
+    expected_clause = "INPUT-ERRORS"
+    bug = "assign never checks that H is symmetric: it uses (H + Hᵀ)/2, so an asymmetric H is silently accepted"
+    gap = "test_input_errors.py::test_slightly_asymmetric_H"
+
+    def assign(self, k, C, H):
+        H = _np(H)
+        return self._ref.assign(k, C, ((H + H.T) / 2).astype(np.float32))

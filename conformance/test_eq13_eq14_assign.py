@@ -52,6 +52,18 @@ def test_assign_is_an_allowed_argmin(ctx, case):
 
 
 @pytest.mark.clause("EQ-14")
+@given(case=hh.large_codebook_case())
+def test_assign_large_codebook(ctx, case):
+    """K = 256 ... 1000 (the authors' 4096-entry codebooks need codes past uint8): codes >= 256 come back whole."""
+    ctx.note(seed=case["seed"], head_dim=case["d"], K=case["K"], targets=case["targets"].tolist())
+    codes = ctx.call("assign", case["k"], case["C"], case["H"])
+    dist = oracle.assign_distances(_f64(ctx, case["k"]), _f64(ctx, case["C"]), _f64(ctx, case["H"]))
+    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-14", dist)), clause="EQ-14",
+                          what=f"assign(k, C, H) with K={case['K']} codewords (codes >= 256 must not wrap or saturate)",
+                          values=dist)
+
+
+@pytest.mark.clause("EQ-14")
 @given(case=hh.codebook_case(), c=st.sampled_from([1e-3, 0.5, 1.0, 7.0, 1e3]))
 def test_assign_with_isotropic_H_is_nearest_centroid(ctx, case, c):
     """H = cI (any c > 0) reduces Eq. 14 to plain nearest-centroid assignment."""

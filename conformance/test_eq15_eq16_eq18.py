@@ -70,6 +70,22 @@ def test_assign_z_is_the_eq14_assignment(ctx, case):
                           what="assign_z(k, Cz, L)", values=dist)
 
 
+@pytest.mark.clause("EQ-16", needs=("assign_z",))
+@given(case=hh.large_codebook_case())
+def test_assign_z_large_codebook(ctx, case):
+    """K = 256 ... 1000 z-space codewords, keys whose k L sits on codewords of index >= 255: codes come back whole
+    (a port that returns uint8 codes, or saturates at 255, is wrong for every K > 256)."""
+    ctx.note(seed=case["seed"], head_dim=case["d"], K=case["K"], targets=case["targets"].tolist())
+    L = _L(ctx, case["H"])
+    Cz = case["C"]
+    k = oracle.back_transform(case["k"], L)      # k L = the drawn points next to Cz[targets]
+    codes = ctx.call("assign_z", k, Cz, L)
+    dist = oracle.assign_z_distances(_f64(ctx, k), _f64(ctx, Cz), _f64(ctx, L))
+    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-16", dist)), clause="EQ-16",
+                          what=f"assign_z(k, Cz, L) with K={case['K']} codewords (codes >= 256 must not wrap or saturate)",
+                          values=dist)
+
+
 @pytest.mark.clause("EQ-18")
 @given(case=hh.codebook_case())
 def test_back_transform_matches_oracle(ctx, case):
@@ -86,3 +102,50 @@ def test_back_transform_inverts_z_transform(ctx, case):
     C = _f64(ctx, case["C"])
     got = ctx.call("back_transform", C @ L, L)
     ctx.assert_close(got, C, clause="EQ-18", what="back_transform(C L, L) vs C")
+
+
+# --------------------------------------------------------------------------- per-head L stacks (n_kv, d, d)
+# EQ-16 and EQ-18 take L (..., d, d) as well as one (d, d) matrix: a model calibrates one H, hence one L, per KV
+# head. A port that writes the broadcast as L[0], or loops over heads with the wrong index, is right whenever the
+# heads share one L, so the heads here get different H's (different spectra and scales).
+
+@st.composite
+def _per_head_case(draw):
+    """n_kv in {2, 3} different SPD H's -> L (n_kv, d, d); keys (n_kv, T, d) or (B, n_kv, T, d); Cz (n_kv, K, d)."""
+    d = draw(hh.head_dims(max_dim=16), label="head_dim")
+    n_kv = draw(st.sampled_from([2, 3]), label="n_kv")
+    T = draw(st.integers(1, 6), label="T")
+    K = draw(st.integers(1, 8), label="K")
+    batch = draw(st.sampled_from([(), (2,)]), label="batch")
+    seed = draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    scales = (1.0, 4.0, 0.25)
+    H = np.stack([scales[h] * hh.spd_matrix(rng, d, cond=float(draw(st.sampled_from([1.0, 10.0, 100.0]),
+                                                                      label=f"H{h}_cond")))
+                  for h in range(n_kv)])
+    return {"d": d, "n_kv": n_kv, "T": T, "K": K, "batch": batch, "seed": seed, "H": H,
+            "k": hh.normal(rng, batch + (n_kv, T, d)), "Cz": hh.normal(rng, (n_kv, K, d))}
+
+
+def _per_head_L(ctx, H):
+    return np.stack([_L(ctx, h) for h in H])
+
+
+@pytest.mark.clause("EQ-16", needs=("z_transform",))
+@given(case=_per_head_case())
+def test_z_transform_per_head_L(ctx, case):
+    """z_transform(k, L) with k (..., n_kv, T, d) and L (n_kv, d, d): head h is k[..., h, :, :] @ L[h]."""
+    ctx.note(seed=case["seed"], head_dim=case["d"], n_kv=case["n_kv"], T=case["T"], batch=case["batch"])
+    L = _per_head_L(ctx, case["H"])
+    ctx.check("z_transform", case["k"], L, clause="EQ-16",
+              what=f"z_transform with a per-head L stack {L.shape} and k {case['k'].shape} (head h must use L[h])")
+
+
+@pytest.mark.clause("EQ-18", needs=("back_transform",))
+@given(case=_per_head_case())
+def test_back_transform_per_head_L(ctx, case):
+    """back_transform(Cz, L) with Cz (n_kv, K, d) and L (n_kv, d, d): head h solves C[h] L[h] = Cz[h]."""
+    ctx.note(seed=case["seed"], head_dim=case["d"], n_kv=case["n_kv"], K=case["K"])
+    L = _per_head_L(ctx, case["H"])
+    ctx.check("back_transform", case["Cz"], L, clause="EQ-18",
+              what=f"back_transform with a per-head L stack {L.shape} and Cz {case['Cz'].shape} (head h must use L[h])")

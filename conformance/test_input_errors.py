@@ -75,6 +75,49 @@ def test_non_pd_H(ctx, seed, d, kind):
     ctx.expect_value_error("cholesky", H, what=f"{kind} H (not symmetric positive definite)")
 
 
+# EQ-13, EQ-14 and EQ-15 take a symmetric H (EQ-13: max|H − Hᵀ| ≤ 1e-10 · max(1, max|H|); EQ-14 and EQ-15 refer to
+# it). test_non_pd_H's asymmetry is gross (+1.0); a port that symmetrises anything np.allclose calls symmetric, or
+# checks only cholesky's input, passes it. Here the asymmetry is small relative to max|H| (1e-4, 1e-2: above the
+# spec's 1e-10 and the reference's float32 check, rtol 1e-5), on a pair of off-diagonal entries that H has as
+# zeros, so it survives float16/bfloat16 rounding, and H stays positive definite: asymmetry is its only fault.
+
+def _slightly_asymmetric_H(rng, d, rel, scale):
+    H = scale * hh.spd_matrix(rng, d, cond=10.0)
+    i, j = sorted(rng.choice(d, size=2, replace=False).tolist())
+    a = H[i, j]
+    H[i, j] = H[j, i] = 0.0
+    H[i, i] += abs(a)                        # -a(e_i e_jᵀ + e_j e_iᵀ) + |a|(e_i e_iᵀ + e_j e_jᵀ) is PSD: H stays PD
+    H[j, j] += abs(a)
+    H[i, j] = rel * float(np.abs(H).max())   # H[j, i] stays 0
+    return H, (i, j)
+
+
+@pytest.mark.clause("INPUT-ERRORS")
+@given(seed=hh.seeds(), d=st.sampled_from([2, 4, 8]), rel=st.sampled_from([1e-4, 1e-2]),
+       scale=st.sampled_from([0.01, 1.0, 30.0]),
+       fn=st.sampled_from(["cholesky", "cholesky_batched", "assign", "score_error"]))
+def test_slightly_asymmetric_H(ctx, seed, d, rel, scale, fn):
+    rng = hh.rng_from(seed)
+    H, (i, j) = _slightly_asymmetric_H(rng, d, rel, scale)
+    name = fn.split("_batched")[0]
+    if not ctx.has(name):
+        return
+    ctx.note(seed=seed, head_dim=d, relative_asymmetry=rel, H_scale=scale, entry=(i, j), fn=fn)
+    what = (f"H with H[{i},{j}] - H[{j},{i}] = {rel:g} * max|H| (max|H| ~ {float(np.abs(H).max()):.3g}; symmetric "
+            f"means max|H - Hᵀ| <= 1e-10 * max(1, max|H|), EQ-13)")
+    k, C = hh.normal(rng, (3, d)), hh.normal(rng, (4, d))
+    if fn == "cholesky":
+        msg = ctx.expect_value_error("cholesky", H, what=what)
+    elif fn == "cholesky_batched":    # the asymmetric matrix second in the stack: every matrix is checked
+        Hs = np.stack([scale * hh.spd_matrix(rng, d, cond=10.0), H])
+        msg = ctx.expect_value_error("cholesky", Hs, what=f"a stack (2, {d}, {d}) whose matrix 1 is {what}")
+    elif fn == "assign":
+        msg = ctx.expect_value_error("assign", k, C, H, what=what)
+    else:
+        msg = ctx.expect_value_error("score_error", k, C[:3], H, what=what)
+    _named(ctx, msg, "H", f"{fn} with {what}")
+
+
 @pytest.mark.clause("INPUT-ERRORS", needs=("assign",))
 @given(seed=hh.seeds(), extra=st.sampled_from([-2, 2, 4]))
 def test_codebook_width_mismatch(ctx, seed, extra):
