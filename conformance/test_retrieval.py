@@ -92,22 +92,33 @@ def test_topk_count_matches_oracle(ctx, case):
 
 
 def _select_and_check(ctx, case, clause):
+    """One select_tokens call on all of the case's scores (..., n_q, T); each row of the leading dims is checked
+    against the allowed sets the oracle gives for that row alone (a batch of one), so a port that mixes rows, or
+    groups heads differently when scores carry leading dims, is caught."""
     s = case["scores"]
     kw = dict(n_kv_heads=case["n_kv"], query_pos=case["query_pos"], w=case["w"], sinks=case["sinks"], topk=case["topk"])
     mask = ctx.call("select_tokens", s, **kw)
     so = _f64(ctx, s)
-    must, may = oracle.select_tokens_allowed(so, margin=ctx.margin(clause, so), **kw)
-    ctx.assert_mask_allowed(mask, must, may, clause=clause, what="select_tokens mask (must ⊆ mask ⊆ may)",
-                            selection=dict(scores=so, query_pos=kw["query_pos"], w=kw["w"], sinks=kw["sinks"],
-                                           topk=kw["topk"]))
-    return np.asarray(mask)
+    lead = so.shape[:-2]
+    m = np.asarray(mask)
+    want = lead + (case["n_kv"], case["T"])
+    if m.shape != want:
+        ctx.fail(clause, f"select_tokens mask: shape {m.shape}, expected {want} (scores {so.shape} → (..., n_kv, T))")
+    for r in np.ndindex(*lead):
+        row = f"row {r} of leading dims {lead}: " if lead else ""
+        must, may = oracle.select_tokens_allowed(so[r], margin=ctx.margin(clause, so[r]), **kw)
+        ctx.assert_mask_allowed(m[r], must, may, clause=clause, what=f"{row}select_tokens mask (must ⊆ mask ⊆ may)",
+                                selection=dict(scores=so[r], query_pos=kw["query_pos"], w=kw["w"], sinks=kw["sinks"],
+                                               topk=kw["topk"]))
+    return m
 
 
 @pytest.mark.clause("RET-SELECT")
-@given(case=hh.scores_case())
+@given(case=hh.scores_case(leads=((), (), (2,), (3, 1))))
 def test_select_tokens_is_an_allowed_selection(ctx, case):
     """Sinks and window always kept; per head a valid top-k of the candidates (near ties from the oracle's
-    margin); union over the GQA group; nothing after the query position."""
+    margin); union over the GQA group; nothing after the query position. Scores with leading dims (..., n_q, T)
+    too (RET-SELECT's shape): every row is its own selection, heads grouped h // G as without them."""
     ctx.note(**{k: v for k, v in case.items() if k != "scores"})
     mask = _select_and_check(ctx, case, "RET-SELECT")
     G = case["n_q"] // case["n_kv"]
