@@ -113,12 +113,25 @@ def _select_and_check(ctx, case, clause):
     return m
 
 
+def _batched_groups_case():
+    """Scores (2, 4, 10) over n_kv = 2 KV heads (G = 2): in row r query head h's top token is 4r + h, so KV head
+    g selects exactly {4r + 2g, 4r + 2g + 1} beside the window (top-1 per head, w = 1, no sinks)."""
+    s = hh.normal(hh.rng_from(11), (2, 4, 10))
+    for r in range(2):
+        for h in range(4):
+            s[r, h, 4 * r + h] = 10.0
+    return {"n_q": 4, "n_kv": 2, "T": 10, "lead": (2,), "query_pos": 9, "w": 1, "sinks": 0,
+            "topk": hh.topk_for_count(1, 10), "seed": 11, "scores": s}
+
+
 @pytest.mark.clause("RET-SELECT")
 @given(case=hh.scores_case(leads=((), (), (2,), (3, 1))))
+@example(case=None)   # leading dims with G = 2 and distinct per-head winners, in every run
 def test_select_tokens_is_an_allowed_selection(ctx, case):
     """Sinks and window always kept; per head a valid top-k of the candidates (near ties from the oracle's
     margin); union over the GQA group; nothing after the query position. Scores with leading dims (..., n_q, T)
     too (RET-SELECT's shape): every row is its own selection, heads grouped h // G as without them."""
+    case = _batched_groups_case() if case is None else case
     ctx.note(**{k: v for k, v in case.items() if k != "scores"})
     mask = _select_and_check(ctx, case, "RET-SELECT")
     G = case["n_q"] // case["n_kv"]
