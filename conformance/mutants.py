@@ -639,6 +639,7 @@ class SelectBatchedStridedGroups(Mutant):
     bug = ("select_tokens on scores with leading dims groups query heads strided (h % n_kv, a tile for a repeat) "
            "instead of h // G; (n_q, T) scores are grouped right")
     gap = "test_retrieval.py::test_select_tokens_is_an_allowed_selection"
+    expected_cause = "gqa-strided-groups"
 
     def select_tokens(self, scores, *, n_kv_heads, **kw):
         s = np.asarray(scores)
