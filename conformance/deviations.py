@@ -655,6 +655,14 @@ def _one_type_key(key):
     return rope_inv_freqs
 
 
+def _strided_select(self, scores, *, n_kv_heads, **kw):
+    """RET-SELECT with KV head g taking query heads g, g + n_kv, ... (a tile where the spec's h // G is a repeat)."""
+    s = _f(scores)
+    G = s.shape[-2] // n_kv_heads
+    s = s[..., [g + n_kv_heads * j for g in range(n_kv_heads) for j in range(G)], :]
+    return Model.select(self, s, n_kv_heads=n_kv_heads, **kw)
+
+
 def _dev(id_, cause, applies, *variants):
     return Deviation(id_, cause, frozenset(applies), tuple(variants))
 
@@ -692,6 +700,9 @@ DEVIATIONS: tuple[Deviation, ...] = (
          _model("OneHeadVotes", "first head votes", voters=lambda self, G: range(1)),
          _model("HeadZeroRanks", "every head ranks by query head 0",
                 ranking=lambda self, s: np.broadcast_to(s[..., :1, :], s.shape))),
+    _dev("gqa-strided-groups", "GQA groups strided: KV head g unions query heads g, g + n_kv, g + 2·n_kv, ... "
+         "(h % n_kv, a tile) instead of its G consecutive heads g·G ... g·G + G − 1 (h // G, a repeat)", _SELECT,
+         _model("StridedGroups", "h % n_kv", select=_strided_select)),
     _dev("h-one-head", "H from one query head per GQA group, not pooled over the group's heads", {"query_moment"},
          _model("HOneHead", "first head pooled", pooled_heads=lambda self, G: range(1))),
     _dev("topk-over-T", "top-k count int(topk·T) over the whole score row (T tokens) instead of the i + 1 tokens "

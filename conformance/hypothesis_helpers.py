@@ -218,9 +218,12 @@ def large_codebook_case(draw, *, max_dim: int = 16):
 
 
 @st.composite
-def scores_case(draw, *, max_T: int = 48):
-    """Token scores (n_q, T) for a decode query, with selection parameters and optional exact ties."""
+def scores_case(draw, *, max_T: int = 48, leads=None):
+    """Token scores (n_q, T) for a decode query, with selection parameters and optional exact ties.
+
+    leads: leading shapes to draw from (RET-SELECT's scores are (..., n_q, T)); None: none, scores (n_q, T)."""
     n_q, n_kv = draw(gqa_heads(), label="heads")
+    lead = () if leads is None else tuple(draw(st.sampled_from(leads), label="lead"))
     T = draw(st.integers(1, max_T), label="T")
     query_pos = draw(st.integers(0, T - 1), label="query_pos")
     w = draw(st.integers(0, 8), label="w")
@@ -228,10 +231,10 @@ def scores_case(draw, *, max_T: int = 48):
     topk = draw(topk_values(), label="topk")
     seed = draw(seeds(), label="seed")
     rng = rng_from(seed)
-    s = normal(rng, (n_q, T))
+    s = normal(rng, lead + (n_q, T))
     if draw(st.booleans(), label="ties"):
         s = np.round(s * 2) / 2              # few distinct values: many exact ties
-    return {"n_q": n_q, "n_kv": n_kv, "T": T, "query_pos": query_pos, "w": w, "sinks": sinks,
+    return {"n_q": n_q, "n_kv": n_kv, "T": T, "lead": lead, "query_pos": query_pos, "w": w, "sinks": sinks,
             "topk": topk, "seed": seed, "scores": s}
 
 

@@ -780,3 +780,47 @@ class AssignSymmetrisesH(Mutant):
     def assign(self, k, C, H):
         H = _np(H)
         return self._ref.assign(k, C, ((H + H.T) / 2).astype(np.float32))
+
+
+# ---- gaps in batched selection and batched prefill (second audit)
+@_gap
+class SelectBatchedStridedGroups(Mutant):
+    expected_clause = "RET-SELECT"
+    bug = ("select_tokens on scores with leading dims groups query heads strided (h % n_kv, a tile for a repeat) "
+           "instead of h // G; (n_q, T) scores are grouped right")
+    gap = "test_retrieval.py::test_select_tokens_is_an_allowed_selection"
+    expected_cause = "gqa-strided-groups"
+
+    def select_tokens(self, scores, *, n_kv_heads, **kw):
+        s = np.asarray(scores)
+        if s.ndim > 2:
+            G = s.shape[-2] // n_kv_heads
+            # KV head g gets query heads g, g + n_kv, ... (as heads laid out kv-major) instead of g*G ... g*G+G-1
+            s = s[..., [g + n_kv_heads * j for g in range(n_kv_heads) for j in range(G)], :]
+        return self._ref.select_tokens(s, n_kv_heads=n_kv_heads, **kw)
+
+
+class _PrefillRowZeroCache(_SameClassOnLoad, ReferenceCache):
+    """A batched cache whose prefill reads the cached keys and values of row 0 for every row (k[:1] broadcast
+    to the batch, as a port written for batch one does); decode and the batch-of-one cache are right."""
+
+    def prefill(self, q_post):
+        if not self.batched:
+            return super().prefill(q_post)
+        import mlx.core as mx
+        from mlx_lm.models.base import scaled_dot_product_attention
+
+        k, v = self._c.keys_and_values()
+        k, v = mx.broadcast_to(k[:1], k.shape), mx.broadcast_to(v[:1], v.shape)
+        scale = self.config.get("scale") or q_post.shape[-1] ** -0.5
+        return self._out(scaled_dot_product_attention(self._in(q_post), k, v, cache=self._c, scale=scale, mask="causal"))
+
+
+@_gap
+class BatchedPrefillRowZero(Mutant):
+    expected_clause = "CACHE-BATCH"
+    bug = "batched prefill attends every row's queries to row 0's keys and values (k[:1] broadcast over the batch)"
+    gap = "test_cache.py::test_batched_decode_rows"
+
+    def make_cache(self, config):
+        return _PrefillRowZeroCache(config)

@@ -454,13 +454,16 @@ def _check_cache_decode(ctx, c, orc, q, clause, what=""):
 @pytest.mark.clause("CACHE-BATCH", requires={"cache_ops": ("batch", "decode")})
 @given(setup=cache_setup(), B=st.integers(2, 3), T=st.integers(1, 24), split=st.integers(0, 24))
 def test_batched_decode_rows(ctx, setup, B, T, split):
-    """Row r of a batched cache (config["batch"] = B) equals a batch-of-one cache fed only row r: codes,
-    selection and output; and the batched decode is an allowed decode of the oracle cache, row by row."""
+    """Row r of a batched cache (config["batch"] = B) equals a batch-of-one cache fed only row r: each chunk's
+    prefill output (chunks [0, split) and [split, T), CACHE-CHUNK), codes, selection and output; and the batched
+    decode is an allowed decode of the oracle cache, row by row."""
     config, rng, notes = setup
     split = min(split, T)
     ctx.note(**notes, B=B, T=T, split=split)
     _, k, v = _tokens(ctx, config, rng, 0, T, lead=(B,))
     q = _query(ctx, config, rng, T - 1, lead=(B,))
+    qp = ctx.cast(hh.normal(rng, (B, config["n_q_heads"], T, config["head_dim"])))   # the chunks' prefill queries
+    prefill = capabilities.current().has("cache_ops", "prefill")
     big = CacheCalls(ctx, dict(config, batch=B))
     rows = [CacheCalls(ctx, config) for _ in range(B)]
     for a, b in ((0, split), (split, T)):
@@ -468,6 +471,15 @@ def test_batched_decode_rows(ctx, setup, B, T, split):
             big.append(k[:, :, a:b], v[:, :, a:b])
             for r in range(B):
                 rows[r].append(k[r, :, a:b], v[r, :, a:b])
+            if prefill and b - a > 1:
+                po = np.asarray(big.prefill(qp[:, :, a:b]))
+                want = (B, config["n_q_heads"], b - a, v.shape[-1])
+                if po.shape != want:
+                    ctx.fail("CACHE-BATCH", f"batched prefill of chunk [{a}, {b}): shape {po.shape}, expected {want} "
+                             "(leading batch axis)")
+                for r in range(B):
+                    ctx.assert_close(po[r], rows[r].prefill(qp[r, :, a:b]), clause="CACHE-BATCH",
+                                     what=f"row {r} prefill output of chunk [{a}, {b}) vs a batch-of-one cache")
     out, mask = big.decode(q)
     out, mask, codes = np.asarray(out), np.asarray(mask), np.asarray(big.codes())
     n_kv, n_q = config["n_kv_heads"], config["n_q_heads"]

@@ -92,31 +92,55 @@ def test_topk_count_matches_oracle(ctx, case):
 
 
 def _select_and_check(ctx, case, clause):
+    """One select_tokens call on all of the case's scores (..., n_q, T); each row of the leading dims is checked
+    against the allowed sets the oracle gives for that row alone (a batch of one), so a port that mixes rows, or
+    groups heads differently when scores carry leading dims, is caught."""
     s = case["scores"]
     kw = dict(n_kv_heads=case["n_kv"], query_pos=case["query_pos"], w=case["w"], sinks=case["sinks"], topk=case["topk"])
     mask = ctx.call("select_tokens", s, **kw)
     so = _f64(ctx, s)
-    must, may = oracle.select_tokens_allowed(so, margin=ctx.margin(clause, so), **kw)
-    ctx.assert_mask_allowed(mask, must, may, clause=clause, what="select_tokens mask (must ⊆ mask ⊆ may)",
-                            selection=dict(scores=so, query_pos=kw["query_pos"], w=kw["w"], sinks=kw["sinks"],
-                                           topk=kw["topk"]))
-    return np.asarray(mask)
+    lead = so.shape[:-2]
+    m = np.asarray(mask)
+    want = lead + (case["n_kv"], case["T"])
+    if m.shape != want:
+        ctx.fail(clause, f"select_tokens mask: shape {m.shape}, expected {want} (scores {so.shape} → (..., n_kv, T))")
+    for r in np.ndindex(*lead):
+        row = f"row {r} of leading dims {lead}: " if lead else ""
+        must, may = oracle.select_tokens_allowed(so[r], margin=ctx.margin(clause, so[r]), **kw)
+        ctx.assert_mask_allowed(m[r], must, may, clause=clause, what=f"{row}select_tokens mask (must ⊆ mask ⊆ may)",
+                                selection=dict(scores=so[r], query_pos=kw["query_pos"], w=kw["w"], sinks=kw["sinks"],
+                                               topk=kw["topk"]))
+    return m
+
+
+def _batched_groups_case():
+    """Scores (2, 4, 10) over n_kv = 2 KV heads (G = 2): in row r query head h's top token is 4r + h, so KV head
+    g selects exactly {4r + 2g, 4r + 2g + 1} beside the window (top-1 per head, w = 1, no sinks)."""
+    s = hh.normal(hh.rng_from(11), (2, 4, 10))
+    for r in range(2):
+        for h in range(4):
+            s[r, h, 4 * r + h] = 10.0
+    return {"n_q": 4, "n_kv": 2, "T": 10, "lead": (2,), "query_pos": 9, "w": 1, "sinks": 0,
+            "topk": hh.topk_for_count(1, 10), "seed": 11, "scores": s}
 
 
 def _count_case(T, query_pos, w, sinks, topk, seed=11):
     """A scores_case for @example: one query head, distinct scores."""
-    return {"n_q": 1, "n_kv": 1, "T": T, "query_pos": query_pos, "w": w, "sinks": sinks, "topk": topk, "seed": seed,
-            "scores": hh.normal(hh.rng_from(seed), (1, T))}
+    return {"n_q": 1, "n_kv": 1, "T": T, "lead": (), "query_pos": query_pos, "w": w, "sinks": sinks, "topk": topk,
+            "seed": seed, "scores": hh.normal(hh.rng_from(seed), (1, T))}
 
 
 @pytest.mark.clause("RET-SELECT")
-@given(case=hh.scores_case())
+@given(case=hh.scores_case(leads=((), (), (2,), (3, 1))))
+@example(case=None)   # leading dims with G = 2 and distinct per-head winners, in every run
 # RET-SELECT: the count is int(topk · (i + 1)) = 10; over the T = 48 scores it is 12, over the 28 candidates
 # (neither sink nor window) 7: a port counting over the wrong length picks the wrong number of tokens
 @example(case=_count_case(T=48, query_pos=39, w=8, sinks=4, topk=0.25))
 def test_select_tokens_is_an_allowed_selection(ctx, case):
     """Sinks and window always kept; per head a valid top-k of the candidates (near ties from the oracle's
-    margin); union over the GQA group; nothing after the query position."""
+    margin); union over the GQA group; nothing after the query position. Scores with leading dims (..., n_q, T)
+    too (RET-SELECT's shape): every row is its own selection, heads grouped h // G as without them."""
+    case = _batched_groups_case() if case is None else case
     assume(isinstance(case["topk"], int) or "fraction" in capabilities.current().topk)   # the example is a fraction
     ctx.note(**{k: v for k, v in case.items() if k != "scores"})
     mask = _select_and_check(ctx, case, "RET-SELECT")
