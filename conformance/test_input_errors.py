@@ -92,16 +92,16 @@ def _slightly_asymmetric_H(rng, d, rel, scale):
     return H, (i, j)
 
 
-@pytest.mark.clause("INPUT-ERRORS")
+# One parametrised test per callable, each needing it: a port without one of them reads not-implemented for that
+# case, never a pass that called nothing.
+@pytest.mark.parametrize("fn", [
+    pytest.param(f, marks=pytest.mark.clause("INPUT-ERRORS", needs=(f.split("_batched")[0],)))
+    for f in ("cholesky", "cholesky_batched", "assign", "score_error")])
 @given(seed=hh.seeds(), d=st.sampled_from([2, 4, 8]), rel=st.sampled_from([1e-4, 1e-2]),
-       scale=st.sampled_from([0.01, 1.0, 30.0]),
-       fn=st.sampled_from(["cholesky", "cholesky_batched", "assign", "score_error"]))
+       scale=st.sampled_from([0.01, 1.0, 30.0]))
 def test_slightly_asymmetric_H(ctx, seed, d, rel, scale, fn):
     rng = hh.rng_from(seed)
     H, (i, j) = _slightly_asymmetric_H(rng, d, rel, scale)
-    name = fn.split("_batched")[0]
-    if not ctx.has(name):
-        return
     ctx.note(seed=seed, head_dim=d, relative_asymmetry=rel, H_scale=scale, entry=(i, j), fn=fn)
     what = (f"H with H[{i},{j}] - H[{j},{i}] = {rel:g} * max|H| (max|H| ~ {float(np.abs(H).max()):.3g}; symmetric "
             f"means max|H - Hᵀ| <= 1e-10 * max(1, max|H|), EQ-13)")
