@@ -78,7 +78,7 @@ def _rope_case(draw, max_T=12):
 
 def _position_form(form, pos) -> str:
     a = np.asarray(pos)
-    return f"{form} positions (shape {a.shape}, dtype {a.dtype})"
+    return f"{form} positions ({'real' if a.dtype.kind == 'f' else 'integer'}, shape {a.shape})"
 
 
 def _note_rope_case(ctx, p, form, pos, x, seed):
