@@ -87,20 +87,35 @@ def check_inv_freqs(inv_freqs, d: int) -> mx.array:
     return w
 
 
-def as_positions(positions, name: str = "positions") -> mx.array:
-    """Integer positions (any shape); returned as float32 for angle computation."""
+def as_positions(positions, name: str = "positions", *, real: bool = False) -> mx.array:
+    """Positions (any shape); returned as float32 for angle computation.
+
+    Integer positions always; with ``real`` (ROPE-APPLY/ROPE-INVERSE and the clauses that rotate as they do,
+    EQ-12) also finite real ones, as ROPE-APPLY allows ("real positions are allowed (negative ones too)").
+    """
     if isinstance(positions, numbers.Integral) and not isinstance(positions, bool):
         p = np.asarray(int(positions))
     elif isinstance(positions, mx.array):
         p = positions
+    elif real and isinstance(positions, numbers.Real) and not isinstance(positions, bool):
+        p = np.asarray(float(positions))
     else:
         p = np.asarray(positions)
-    kind = p.dtype.kind if isinstance(p, np.ndarray) else ("i" if mx.issubdtype(p.dtype, mx.integer) else "f")
-    if kind not in "iu":
-        raise ValueError(f"{name}: expected integer positions, got dtype {p.dtype}")
+    if isinstance(p, np.ndarray):
+        kind = p.dtype.kind
+    elif mx.issubdtype(p.dtype, mx.integer):
+        kind = "i"
+    else:
+        kind = "f" if mx.issubdtype(p.dtype, mx.floating) else "?"
+    if kind not in ("iuf" if real else "iu"):
+        expected = "integer or real" if real else "integer"
+        raise ValueError(f"{name}: expected {expected} positions, got dtype {p.dtype}")
+    if kind == "f":
+        p = mx.array(p) if isinstance(p, np.ndarray) else p
+        check_finite(p, name)
     if p.size:
-        # Extremes as Python ints in the input's own dtype: an abs() or int64 cast can wrap (uint64, INT64_MIN).
-        lo, hi = (int(p.min()), int(p.max())) if isinstance(p, np.ndarray) else (mx.min(p).item(), mx.max(p).item())
+        # Extremes as Python numbers in the input's own dtype: an abs() or int64 cast can wrap (uint64, INT64_MIN).
+        lo, hi = (p.min().item(), p.max().item()) if isinstance(p, np.ndarray) else (mx.min(p).item(), mx.max(p).item())
         if hi >= MAX_POSITION or lo <= -MAX_POSITION:
             raise ValueError(f"{name}: expected |position| < 2**24 (float32-exact), got range [{lo}, {hi}]")
     p = mx.array(p) if isinstance(p, np.ndarray) else p

@@ -173,7 +173,7 @@ def rotation_args(x, positions, inv_freqs) -> tuple[mx.array, mx.array, mx.array
     checks.check_ndim(x, "x", 1, "(..., d)")
     d = checks.check_head_dim(x.shape[-1], "x.shape[-1] (head_dim)")
     w = checks.check_inv_freqs(inv_freqs, d)
-    p = checks.as_positions(positions)
+    p = checks.as_positions(positions, real=True)
     checks.check_broadcast(p.shape, x.shape[:-1], "positions", "x[..., :-1]")
     return x, p, w
 

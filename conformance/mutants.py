@@ -824,3 +824,43 @@ class BatchedPrefillRowZero(Mutant):
 
     def make_cache(self, config):
         return _PrefillRowZeroCache(config)
+
+
+# ---- gaps in ROPE-APPLY and ROPE-INVERSE positions (second audit)
+@_gap
+class RopeScalarAsOffset(Mutant):
+    expected_clause = "ROPE-APPLY"
+    bug = "a scalar position is taken as mx.fast.rope's offset: token t rotated by p + t instead of p"
+    gap = "test_rope.py::test_rope_apply_matches_oracle"
+
+    def rope_apply(self, x, positions, inv_freqs, *, traditional):
+        p = np.asarray(positions)
+        if p.ndim == 0:
+            p = p + np.arange(np.shape(x)[-2], dtype=p.dtype)
+        return self._ref.rope_apply(x, p, inv_freqs, traditional=traditional)
+
+
+@_gap
+class RopeTruncatesRealPositions(Mutant):
+    expected_clause = "ROPE-APPLY"
+    bug = "positions cast to int before the angle (astype(int32)): real positions 2.5 -> 2, -1.5 -> -1"
+    gap = "test_rope.py::test_rope_apply_matches_oracle"
+
+    def rope_apply(self, x, positions, inv_freqs, *, traditional):
+        p = np.asarray(positions)
+        if p.dtype.kind == "f":
+            p = np.trunc(p).astype(np.int64)
+        return self._ref.rope_apply(x, p, inv_freqs, traditional=traditional)
+
+
+@_gap
+class RopeInvertFirstRowPositions(Mutant):
+    expected_clause = "ROPE-INVERSE"
+    bug = "rope_invert takes positions as one (T,) vector: a (B, T) positions array uses row 0's for every row"
+    gap = "test_rope.py::test_rope_invert_matches_oracle"
+
+    def rope_invert(self, x, positions, inv_freqs, *, traditional):
+        p = np.asarray(positions)
+        if p.ndim >= 2:
+            p = np.broadcast_to(p.reshape(-1, p.shape[-1])[0], p.shape).copy()
+        return self._ref.rope_invert(x, p, inv_freqs, traditional=traditional)

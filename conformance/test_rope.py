@@ -28,23 +28,75 @@ def test_inv_freqs_match_oracle(ctx, p):
     ctx.check("rope_inv_freqs", p["d"], p["base"], p["scaling"], clause="ROPE-FREQ")
 
 
+#: Position forms ROPE-APPLY allows ("a scalar, a (T,) vector or any shape broadcasting against x.shape[:-1];
+#: real positions are allowed (negative ones too)"); ROPE-INVERSE takes the same.
+POSITION_FORMS = ("vector", "scalar", "per-row", "row-constant", "real", "negative")
+#: Real positions travel in the dtype under test (float16 overflows past 65504), so they stay below this.
+_MAX_REAL_POSITION = 32_768
+
+
+@st.composite
+def rope_positions(draw, lead: tuple, T: int):
+    """(form, positions) for x of shape lead + (T, d): one of POSITION_FORMS.
+
+    vector: (T,) non-negative ints (hh.positions); scalar: a Python int, every token at that position (not an
+    offset); per-row: lead + (T,) ints, a different vector per row; row-constant: lead + (1,), one position per
+    row broadcast over its tokens; real: (T,) or lead + (T,) non-integer reals, either sign; negative: (T,) ints
+    of either sign."""
+    max_position = draw(hh.max_positions(), label="max_position")
+    form = draw(st.sampled_from(POSITION_FORMS), label="position_form")
+    if form in ("per-row", "row-constant") and not lead:
+        form = "vector"
+    rng = hh.rng_from(draw(hh.seeds(), label="positions_seed"))
+    if form == "vector":
+        return form, draw(hh.positions(T, max_position=max_position), label="positions")
+    if form == "scalar":
+        return form, draw(st.integers(0, max_position), label="positions")
+    if form == "per-row":
+        return form, rng.integers(0, max_position + 1, size=lead + (T,)).astype(np.int64)
+    if form == "row-constant":
+        return form, rng.integers(0, max_position + 1, size=lead + (1,)).astype(np.int64)
+    if form == "negative":
+        return form, rng.integers(-max_position, max_position + 1, size=(T,)).astype(np.int64)
+    m = min(max_position, _MAX_REAL_POSITION)
+    shape = draw(st.sampled_from([(T,), lead + (T,)]), label="real_shape")
+    # A fraction in [0.1, 0.9] on every position: far from an integer, so rounding or truncating shows.
+    whole = rng.integers(-m + 1, m, size=shape).astype(np.float64)
+    frac = rng.uniform(0.1, 0.9, size=shape)
+    return form, whole + np.where(whole < 0, -frac, frac)
+
+
 def _rope_case(draw, max_T=12):
     p = draw(hh.rope_params(), label="rope")
     T = draw(st.integers(1, max_T), label="T")
     lead = draw(st.sampled_from([(), (2,), (2, 3)]), label="lead")
-    pos = draw(hh.positions(T, max_position=draw(hh.max_positions(), label="max_position")), label="positions")
+    form, pos = draw(rope_positions(lead, T), label="positions")
     seed = draw(hh.seeds(), label="seed")
     x = hh.normal(hh.rng_from(seed), lead + (T, p["d"]))
-    return p, pos, x, seed
+    return p, form, pos, x, seed
+
+
+def _position_form(form, pos) -> str:
+    a = np.asarray(pos)
+    return f"{form} positions ({'real' if a.dtype.kind == 'f' else 'integer'}, shape {a.shape})"
+
+
+def _note_rope_case(ctx, p, form, pos, x, seed):
+    a = np.asarray(pos)
+    ctx.note(seed=seed, head_dim=p["d"], traditional=p["traditional"], x_shape=x.shape, position_form=form,
+             positions=a.tolist())
+    ctx.positions_up_to(np.ceil(np.abs(a).max()))
 
 
 @pytest.mark.clause("ROPE-APPLY")
 @given(data=st.data())
 def test_rope_apply_matches_oracle(ctx, data):
-    p, pos, x, seed = _rope_case(data.draw)
-    ctx.note(seed=seed, head_dim=p["d"], traditional=p["traditional"], positions=pos.tolist())
-    ctx.positions_up_to(pos.max())
-    ctx.check("rope_apply", x, pos, p["inv_freqs"], traditional=p["traditional"], clause="ROPE-APPLY")
+    """Every position form ROPE-APPLY allows: a scalar (every token at it, not an offset), a (T,) vector,
+    positions broadcasting against x.shape[:-1] (one vector or one position per row), real and negative."""
+    p, form, pos, x, seed = _rope_case(data.draw)
+    _note_rope_case(ctx, p, form, pos, x, seed)
+    ctx.check("rope_apply", x, pos, p["inv_freqs"], traditional=p["traditional"], clause="ROPE-APPLY",
+              what=f"rope_apply with {_position_form(form, pos)}, x {x.shape}")
 
 
 @pytest.mark.clause("ROPE-APPLY")
@@ -68,10 +120,23 @@ def test_rope_apply_relative(ctx, data):
 @pytest.mark.clause("ROPE-INVERSE")
 @given(data=st.data())
 def test_rope_invert_matches_oracle(ctx, data):
-    p, pos, x, seed = _rope_case(data.draw)
-    ctx.note(seed=seed, head_dim=p["d"], traditional=p["traditional"], positions=pos.tolist())
-    ctx.positions_up_to(pos.max())
-    ctx.check("rope_invert", x, pos, p["inv_freqs"], traditional=p["traditional"], clause="ROPE-INVERSE")
+    """The position forms of ROPE-APPLY (ROPE-INVERSE: "as ROPE-APPLY"); each row its own position."""
+    p, form, pos, x, seed = _rope_case(data.draw)
+    _note_rope_case(ctx, p, form, pos, x, seed)
+    ctx.check("rope_invert", x, pos, p["inv_freqs"], traditional=p["traditional"], clause="ROPE-INVERSE",
+              what=f"rope_invert with {_position_form(form, pos)}, x {x.shape}")
+
+
+@pytest.mark.clause("ROPE-INVERSE", needs=("rope_apply", "rope_invert"))
+@given(data=st.data())
+def test_rope_invert_is_apply_at_negated(ctx, data):
+    """rope_invert(x, p) = x R_{-p} = rope_apply(x, -p), for every position form."""
+    p, form, pos, x, seed = _rope_case(data.draw)
+    _note_rope_case(ctx, p, form, pos, x, seed)
+    kw = dict(inv_freqs=p["inv_freqs"], traditional=p["traditional"])
+    neg = -pos if isinstance(pos, np.ndarray) else -int(pos)
+    ctx.assert_close(ctx.call("rope_invert", x, pos, **kw), ctx.call("rope_apply", x, neg, **kw), clause="ROPE-INVERSE",
+                     what=f"rope_invert(x, p) vs rope_apply(x, -p) with {_position_form(form, pos)}, x {x.shape}")
 
 
 @pytest.mark.clause("ROPE-INVERSE", needs=("rope_apply", "rope_invert"))

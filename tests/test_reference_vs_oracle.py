@@ -462,7 +462,8 @@ _x = np.ones((3, 16), np.float32)
 ERROR_CASES = [
     ("odd head_dim", lambda: rope_inv_freqs(15, 1e4), "head_dim"),
     ("inv_freqs shape", lambda: rope_apply(_x, 0, _inv16[:4], traditional=False), "inv_freqs"),
-    ("float positions", lambda: rope_apply(_x, np.array([0.5, 1, 2]), _inv16, traditional=False), "integer"),
+    ("nan positions", lambda: rope_apply(_x, np.array([0.5, np.nan, 2]), _inv16, traditional=False), "finite"),
+    ("bool positions", lambda: rope_apply(_x, np.array([True, False, True]), _inv16, traditional=False), "real"),
     ("nan input", lambda: rope_apply(np.full((2, 16), np.nan, np.float32), 0, _inv16, traditional=False), "finite"),
     ("int input", lambda: rope_apply(np.ones((2, 16), np.int32), 0, _inv16, traditional=False), "float16"),
     ("GQA", lambda: query_moment(np.ones((3, 4, 16), np.float32), n_kv_heads=2, b=1, inv_freqs=_inv16,
