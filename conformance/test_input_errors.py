@@ -94,6 +94,7 @@ def _slightly_asymmetric_H(rng, d, rel, scale):
 
 # One parametrised test per callable, each needing it: a port without one of them reads not-implemented for that
 # case, never a pass that called nothing.
+@pytest.mark.clause("INPUT-ERRORS")   # each case's own mark adds the callable it needs
 @pytest.mark.parametrize("fn", [
     pytest.param(f, marks=pytest.mark.clause("INPUT-ERRORS", needs=(f.split("_batched")[0],)))
     for f in ("cholesky", "cholesky_batched", "assign", "score_error")])
