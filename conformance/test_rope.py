@@ -97,6 +97,14 @@ def test_rope_apply_matches_oracle(ctx, data):
     _note_rope_case(ctx, p, form, pos, x, seed)
     ctx.check("rope_apply", x, pos, p["inv_freqs"], traditional=p["traditional"], clause="ROPE-APPLY",
               what=f"rope_apply with {_position_form(form, pos)}, x {x.shape}")
+    # A scalar in every example, on three tokens: a port that takes it as an offset (token t at s + t, as
+    # mx.fast.rope's offset= does) differs from the second token on. Drawn forms alone left the scalar out of a
+    # whole selftest run (12 examples).
+    s = data.draw(st.integers(0, 4096), label="scalar_position")
+    x3 = hh.normal(hh.rng_from(seed + 1), (3, p["d"]))
+    ctx.positions_up_to(max(ctx.max_position, s + 2))
+    ctx.check("rope_apply", x3, s, p["inv_freqs"], traditional=p["traditional"], clause="ROPE-APPLY",
+              what=f"rope_apply with the scalar position {s} (every token at {s}, not an offset), x {x3.shape}")
 
 
 @pytest.mark.clause("ROPE-APPLY")
