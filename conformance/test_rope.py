@@ -105,6 +105,10 @@ def test_rope_apply_matches_oracle(ctx, data):
     ctx.positions_up_to(max(ctx.max_position, s + 2))
     ctx.check("rope_apply", x3, s, p["inv_freqs"], traditional=p["traditional"], clause="ROPE-APPLY",
               what=f"rope_apply with the scalar position {s} (every token at {s}, not an offset), x {x3.shape}")
+    # and real positions of either sign, a fraction away from any integer: rounding or truncating them shows
+    real = np.array([s + 0.25, s + 1.5, -(s + 0.75)])
+    ctx.check("rope_apply", x3, real, p["inv_freqs"], traditional=p["traditional"], clause="ROPE-APPLY",
+              what=f"rope_apply with the real positions {real.tolist()}, x {x3.shape}")
 
 
 @pytest.mark.clause("ROPE-APPLY")
