@@ -43,3 +43,25 @@ def on_cpu():
     mx.set_default_device(mx.cpu)
     yield
     mx.set_default_device(before)
+
+
+@pytest.fixture
+def rejected_on_its_clause(tmp_path):
+    """run(name) -> the clause verdict of mutant `name` (a2ats_conformance.mutants) run on its expected_clause
+    (selftest profile, seed 0), after asserting the run rejected it there: exit 1, the clause failed, and the
+    counterexample names the clause. Each mutant set's test adds its own checks on the verdict."""
+    from a2ats_conformance import mutants
+    from a2ats_conformance.cli import main
+
+    def run(name):
+        cls = getattr(mutants, name)
+        out = tmp_path / "r.json"
+        code = main(["--iut", f"a2ats_conformance.mutants:{name}", "--profile", "selftest", "--seed", "0", "-q",
+                     "--clauses", cls.expected_clause, "--report-json", str(out),
+                     "--counterexample-dir", str(tmp_path / "cex")])
+        verdict = json.loads(out.read_text())["clauses"][cls.expected_clause]
+        assert code == 1, f"{name} ({getattr(cls, 'coverage_item', '')} {cls.bug}) was not rejected: {verdict}"
+        assert verdict["status"] == "fail"
+        assert verdict["counterexample"].get("clause") == cls.expected_clause, verdict["counterexample"]
+        return verdict
+    return run

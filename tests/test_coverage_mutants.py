@@ -7,11 +7,9 @@ each passed all 28 of that suite's clauses at the ci profile, seeds 0 and 1, run
 Here the current suite must reject each one, and its diagnosis must name the mutant's own deviation.
 """
 
-import json
 
 import pytest
 
-from a2ats_conformance.cli import main
 from a2ats_conformance.deviations import by_id
 from a2ats_conformance.mutants import COVERAGE_MUTANTS, MUTANTS
 
@@ -26,16 +24,8 @@ COVERAGE_CAUSES = {
 
 
 @pytest.mark.parametrize("name", sorted(COVERAGE_MUTANTS))
-def test_coverage_mutant_is_rejected_on_its_clause(tmp_path, name):
-    cls = COVERAGE_MUTANTS[name]
-    out = tmp_path / "r.json"
-    code = main(["--iut", f"a2ats_conformance.mutants:{name}", "--profile", "selftest", "--seed", "0", "-q",
-                 "--clauses", cls.expected_clause, "--report-json", str(out),
-                 "--counterexample-dir", str(tmp_path / "cex")])
-    verdict = json.loads(out.read_text())["clauses"][cls.expected_clause]
-    assert code == 1, f"{name} ({cls.coverage_item}: {cls.bug}) was not rejected: {verdict}"
-    assert verdict["status"] == "fail"
-    assert verdict["counterexample"].get("clause") == cls.expected_clause, verdict["counterexample"]
+def test_coverage_mutant_is_rejected_on_its_clause(rejected_on_its_clause, name):
+    verdict = rejected_on_its_clause(name)
     causes = [c["id"] for c in verdict["counterexample"].get("likely_causes") or []]
     assert COVERAGE_CAUSES[name] in causes, (name, causes)    # diagnosis names the mutant's own bug
 
