@@ -324,6 +324,12 @@ def matmul_gflops(m: int = 1024, k: int = 576, n: int = 1536, *, repeats: int = 
     return 2.0 * m * k * n / best / 1e9
 
 
+def gflops(flop: float, seconds: float) -> float | None:
+    """Effective GFLOP/s to 3 significant figures (None without a time). Fixed decimals would round a
+    tiny model's rate on a fast device to 0.0, which reads as "nothing ran"."""
+    return float(f"{flop / seconds / 1e9:.3g}") if seconds > 0 else None
+
+
 if __name__ == "__main__":  # python -m a2ats_ref._blas : print status and a throughput figure
     import json
 

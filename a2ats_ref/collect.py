@@ -394,7 +394,7 @@ def collect_rates(model, sequences, seconds: float) -> dict:
     flop = float(token_flops(model, sequences).sum())
     ok = seconds > 0
     return {"collect_tokens_per_s": round(n_tok / seconds, 1) if ok else None,
-            "collect_gflops": round(flop / seconds / 1e9, 2) if ok else None}
+            "collect_gflops": _blas.gflops(flop, seconds)}
 
 
 def moment_from_sums(qsum: np.ndarray, count: int, *, ridge: float = 1e-6) -> mx.array:

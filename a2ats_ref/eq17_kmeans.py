@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import checks
+from ._blas import gflops
 from .codes import mx_code_dtype
 from .precision import addmm
 
@@ -362,8 +363,7 @@ def init_flop(N: int, d: int, K: int) -> float:
 
 def phase_stats(stats: dict) -> dict:
     """Seconds and effective GFLOP/s of k-means++ and of the Lloyd steps, from kmeans(stats=...)."""
-    rate = lambda f, t: round(f / t / 1e9, 2) if t > 0 else None
     return {"kmeans_init_s": round(stats.get("init_s", 0.0), 2),
-            "kmeans_init_gflops": rate(stats.get("init_flop", 0.0), stats.get("init_s", 0.0)),
+            "kmeans_init_gflops": gflops(stats.get("init_flop", 0.0), stats.get("init_s", 0.0)),
             "kmeans_lloyd_s": round(stats.get("lloyd_s", 0.0), 2),
-            "kmeans_lloyd_gflops": rate(stats.get("lloyd_flop", 0.0), stats.get("lloyd_s", 0.0))}
+            "kmeans_lloyd_gflops": gflops(stats.get("lloyd_flop", 0.0), stats.get("lloyd_s", 0.0))}

@@ -91,3 +91,12 @@ def test_mlx_blas_threads_sets_and_restores():
         assert int(h.openblas_get_num_threads()) == 2
     finally:
         h.openblas_set_num_threads(before)
+
+
+def test_recorded_rates_keep_three_significant_figures():
+    # A tiny model's collection on the H200 ran at under 0.005 GFLOP/s; two fixed decimals wrote 0.0.
+    from a2ats_ref._blas import gflops
+
+    assert gflops(3.14159e6, 1.0) == 0.00314
+    assert gflops(2.5e12, 2.0) == 1250.0
+    assert gflops(1.0, 0.0) is None
