@@ -826,6 +826,29 @@ class BatchedPrefillRowZero(Mutant):
         return _PrefillRowZeroCache(config)
 
 
+class _SaveRowZeroCache(_SameClassOnLoad, ReferenceCache):
+    """A batched cache whose load restores row 0's keys, values and codes into every row (a save that wrote
+    keys[0], as a port written for batch one does); the batch-of-one cache is right."""
+
+    def load(self, path):
+        import mlx.core as mx
+
+        r = super().load(path)
+        if self.batched and r.offset:
+            r._c.state = tuple(mx.broadcast_to(a[:1], a.shape) for a in r._c.state)
+        return r
+
+
+@_gap
+class SaveBatchRowZero(Mutant):
+    expected_clause = "CACHE-SAVE"
+    bug = "save of a batched cache keeps row 0 only (keys[0]); load gives every row row 0's keys, values and codes"
+    gap = "test_cache.py::test_save_load_batched_rows"
+
+    def make_cache(self, config):
+        return _SaveRowZeroCache(config)
+
+
 # ---- gaps in ROPE-APPLY and ROPE-INVERSE positions (second audit)
 @_gap
 class RopeScalarAsOffset(Mutant):

@@ -408,6 +408,45 @@ def test_save_load_roundtrip(ctx, setup, T, n):
     ctx.assert_close(o2, o1, clause="CACHE-SAVE", what="decode output, loaded vs original" + hint, rtol=0, atol=0)
 
 
+def _same_rows(ctx, a, b, B, what):
+    """_same_state for a batched cache; a difference in some rows only names those rows, and says when each of
+    them holds row 0's data (one row saved or restored for the whole batch)."""
+    for key in ("offset", "positions", "codes", "keys", "values"):
+        x, y = np.asarray(a[key]), np.asarray(b[key])
+        if key in ("codes", "keys", "values") and x.shape == y.shape and x.shape[:1] == (B,) and not np.array_equal(x, y):
+            bad = [i for i in range(B) if not np.array_equal(x[i], y[i])]
+            row0 = all(np.array_equal(x[i], y[0]) for i in bad)
+            ctx.fail("CACHE-SAVE", f"{what}: {key} of batch row(s) {bad} differ, {B - len(bad)} of {B} rows equal"
+                     + ("; each differing row holds row 0's data: one row saved or restored for the whole batch"
+                        if row0 else ""))
+        ctx.assert_equal(x, y, clause="CACHE-SAVE", what=f"{what}: {key}")
+
+
+@pytest.mark.clause("CACHE-SAVE", requires={"cache_ops": ("save_load", "batch", "decode")})
+@given(setup=cache_setup(), B=st.integers(2, 3), T=st.integers(1, 12), n=st.integers(1, 3))
+def test_save_load_batched_rows(ctx, setup, B, T, n):
+    """A batched cache (config["batch"] = B) saves and loads every row: the loaded state equals the saved one row
+    by row, after a further append too, and so does the decode of every row."""
+    config, rng, notes = setup
+    ctx.note(**notes, B=B, T=T, n_after=n)
+    c = CacheCalls(ctx, dict(config, batch=B))
+    _, k, v = _tokens(ctx, config, rng, 0, T, lead=(B,))
+    c.append(k, v)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "cache")
+        c.save(path)
+        r = c.load(path)
+    _same_rows(ctx, _state(r), _state(c), B, "loaded vs saved")
+    _, k2, v2 = _tokens(ctx, config, rng, T, n, lead=(B,))
+    c.append(k2, v2)
+    r.append(k2, v2)
+    _same_rows(ctx, _state(r), _state(c), B, "after a further append")
+    q = _query(ctx, config, rng, T + n - 1, lead=(B,))
+    (o1, m1), (o2, m2) = c.decode(q), r.decode(q)
+    ctx.assert_equal(np.asarray(m2), np.asarray(m1), clause="CACHE-SAVE", what="batched decode selection, loaded vs original")
+    ctx.assert_close(o2, o1, clause="CACHE-SAVE", what="batched decode output, loaded vs original", rtol=0, atol=0)
+
+
 @pytest.mark.clause("CODES-DTYPE", needs=("make_cache",))
 @given(setup=cache_setup(Ks=(2, 8, 255, 256, 257, 300)), T=st.integers(1, 6))
 @example(setup=None, T=3)   # K = 256, the largest uint8 codebook, in every run
