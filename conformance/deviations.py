@@ -500,6 +500,38 @@ class _ChunkRerotated(ModelCache):
                                                   traditional=self.traditional)
 
 
+class _LoadResets(ModelCache):
+    """load() gives back the saved tokens with one retrieval parameter at the authors' default (not saved)."""
+
+    param, value = "w", 64
+
+    def load(self, path):
+        other = super().load(path)
+        other.config = dict(other.config, **{self.param: self.value})
+        other.scale = other.config.get("scale")
+        return other
+
+
+class _LoadRowZero(ModelCache):
+    """load() of a batched cache gives every row row 0's keys, values and codes (a save that wrote row 0)."""
+
+    def load(self, path):
+        other = super().load(path)
+        for a in ("_k", "_v", "_c"):
+            x = getattr(other, a)
+            setattr(other, a, np.broadcast_to(x[:1], x.shape).copy())
+        other._allowed = None
+        return other
+
+
+def _load_resets(param, value):
+    m = _cache_model(f"LoadResets_{param}", f"load sets {param} = {value!r}", base=_LoadResets, param=param, value=value)
+    shown = "1/sqrt(d)" if value is None else value
+    m.cause = (f"save/load does not keep {param}: the loaded cache decodes with the default {param} = {shown} "
+               "instead of the saved value")
+    return m
+
+
 # ---------------------------------------------------------------------------------------- deviations
 
 @dataclass(frozen=True)
@@ -515,8 +547,12 @@ class Deviation:
     def models(self):
         return [v() for v in self.variants]
 
-    def describe(self, examples=()) -> str:
-        """The cause, specialised to the failing examples where that reads better (RoPE layout)."""
+    def describe(self, examples=(), variants=()) -> str:
+        """The cause, specialised to the failing examples where that reads better (RoPE layout), or to the one
+        variant that matched them all when that variant states its own cause (which parameter load resets)."""
+        own = {getattr(v, "cause", None) for v in variants}
+        if len(own) == 1 and None not in own:
+            return own.pop()
         if self.id == "rope-layout-swapped":
             flags = {bool(e["notes"].get("traditional", _traditional_of(e))) for e in examples}
             flags.discard(None)
@@ -798,6 +834,13 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("chunk-keys-rerotated", "chunked prefill: keys of each chunk after the first stored rotated again by the "
          "chunk's start offset (RoPE applied to keys that are already post-RoPE)", {"make_cache"},
          _cache_model("ChunkRerotated", "keys rotated twice", base=_ChunkRerotated)),
+    _dev("load-resets-parameter", "save/load does not keep a retrieval parameter: the loaded cache decodes with "
+         "the default w = 64, b = 2048, sinks = 8, topk = 0.03 or scale = 1/sqrt(d) instead of the saved one",
+         {"make_cache"},
+         *(_load_resets(p, v) for p, v in (("w", 64), ("b", 2048), ("sinks", 8), ("topk", 0.03), ("scale", None)))),
+    _dev("load-keeps-row-zero", "save/load of a batched cache keeps row 0 only: every loaded row holds row 0's keys, "
+         "values and codes", {"make_cache"},
+         _cache_model("LoadRowZero", "row 0 for every row", base=_LoadRowZero)),
     _dev("trim-keeps-codes", "trim() drops keys, values and offset but keeps the trimmed tokens' codes for the "
          "tokens written in their place", {"make_cache"},
          _cache_model("TrimKeepsCodes", "stale codes", trim_codes=False)),

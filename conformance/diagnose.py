@@ -168,11 +168,12 @@ def _applies(dev: Deviation, name: str) -> bool:
     return name in dev.applies or (name.startswith("cache") and "make_cache" in dev.applies)
 
 
-def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict) -> bool:
+def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict):
+    """The first variant of ``dev`` that explains the example (a Model class), else None."""
     calls, port = example["calls"], example["outputs"]
     idx = [i for i, (name, _, _) in enumerate(calls) if i in port and _applies(dev, name)]
     if not idx:
-        return False
+        return None
     tols = {i: _call_tolerance(dtype, example["clause"], calls[i][0]) for i in idx}
     for model in dev.models():
         deviant = replay(model, calls, _tie(dtype, example["clause"]), port)
@@ -191,8 +192,8 @@ def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict) -> bool:
                 consistent = False
                 break
         if explained and consistent:
-            return True
-    return False
+            return type(model)
+    return None
 
 
 #: bounds of one diagnosis: at most this many failing examples (the smallest), and this much time
@@ -206,7 +207,8 @@ def _size(example: dict) -> int:
 
 
 def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS, budget_s: float = BUDGET_S) -> list[dict]:
-    """[{id, cause, matched, of}] for every deviation matching at least one failing example, best first.
+    """[{id, cause, matched, of}] for every deviation matching at least half as many failing examples as the
+    best one does, best first.
 
     ``examples``: Context failure snapshots ({clause, calls, outputs, notes}); ``of`` counts those tried
     (with at least one recorded IUT output; the MAX_EXAMPLES smallest). Deviations not reached within
@@ -219,10 +221,15 @@ def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS, budget_s: 
         if time.monotonic() - t0 > budget_s:
             skipped.append(dev.id)
             continue
-        hits = [e for e, f in zip(usable, faithful) if _matches(dev, e, dtype, f)]
+        which = [(e, _matches(dev, e, dtype, f)) for e, f in zip(usable, faithful)]
+        hits = [e for e, v in which if v is not None]
         if hits:
-            found.append({"id": dev.id, "cause": dev.describe(hits), "matched": len(hits), "of": len(usable)})
+            found.append({"id": dev.id, "cause": dev.describe(hits, [v for _, v in which if v is not None]),
+                          "matched": len(hits), "of": len(usable)})
     found.sort(key=lambda r: -r["matched"])   # stable: ties keep the library's order
+    # a cause that explains under half as many examples as the best one is a coincidence of small examples
+    # (a decode over a few tokens selects them all whatever the rule), not a second diagnosis
+    found = [r for r in found if 2 * r["matched"] >= found[0]["matched"]]
     if skipped:
         found.append({"id": None, "cause": f"diagnosis stopped after {budget_s:g} s; not tried: {', '.join(skipped)}",
                       "matched": 0, "of": len(usable)})

@@ -695,6 +695,7 @@ class SaveDropsWindow(Mutant):
     expected_clause = "CACHE-SAVE"
     bug = "save/load does not store the window w; a loaded cache uses the default w = 64"
     gap = "test_cache.py::test_save_load_roundtrip"
+    expected_cause = "load-resets-parameter"
 
     def make_cache(self, config):
         return _SaveDropsWindowCache(config)
@@ -705,6 +706,7 @@ class SaveDropsB(Mutant):
     expected_clause = "CACHE-SAVE"
     bug = "save/load does not store the far position b; a loaded cache uses the default b = 2048"
     gap = "test_cache.py::test_save_load_roundtrip"
+    expected_cause = "load-resets-parameter"
 
     def make_cache(self, config):
         return _SaveDropsBCache(config)
@@ -844,6 +846,7 @@ class SaveBatchRowZero(Mutant):
     expected_clause = "CACHE-SAVE"
     bug = "save of a batched cache keeps row 0 only (keys[0]); load gives every row row 0's keys, values and codes"
     gap = "test_cache.py::test_save_load_batched_rows"
+    expected_cause = "load-keeps-row-zero"
 
     def make_cache(self, config):
         return _SaveRowZeroCache(config)

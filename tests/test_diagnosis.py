@@ -10,6 +10,7 @@ from a2ats_conformance.cli import main
 from a2ats_conformance.deviations import DEVIATIONS, DeviantAdapter, Model
 from a2ats_conformance.diagnose import MAX_EXAMPLES, _same, diagnose, replay
 from a2ats_conformance.messages import explain_selection
+from a2ats_conformance.repro import TMP_PLACEHOLDER
 from a2ats_spec import oracle
 from a2ats_spec.oracle_cache import OracleCache
 
@@ -74,7 +75,18 @@ def _probes():
         [("rope_inv_freqs", (64, 10000.0, {"type": "linear", "factor": 4.0}), {})],
         [("select_tokens", (rng.standard_normal((n_q, 40)),), dict(n_kv_heads=n_kv, query_pos=30, w=3, sinks=2, topk=0.2))],
         [decode_call(40)], [decode_call(300)], [decode_call(40, scale=0.3)], cache_calls, long_cache, batched,
-    ]
+    ] + _saved_probes(cfg, batched, tokens, q_at)
+
+
+def _saved_probes(cfg, batched, tokens, q_at):
+    """save/load (CACHE-SAVE): the loaded cache's decode and state. Drawn after the other probes, whose random
+    data they would otherwise shift."""
+    saved = [("make_cache", (cfg,), {}), ("cache0.append", tokens(0, 30), {}),
+             ("cache0.save", (TMP_PLACEHOLDER + "/cache",), {}), ("cache0.load", (TMP_PLACEHOLDER + "/cache",), {}),
+             ("cache1.decode", (q_at(29),), {}), ("cache1.keys_values", (), {})]
+    saved_batch = batched[:2] + [("cache0.save", (TMP_PLACEHOLDER + "/cache",), {}),
+                                 ("cache0.load", (TMP_PLACEHOLDER + "/cache",), {}), ("cache1.keys_values", (), {})]
+    return [saved, saved_batch]
 
 
 PROBES = _probes()
@@ -96,6 +108,8 @@ def test_faithful_model_is_the_oracle():
         ref = OracleCache(calls[0][1][0])
         outs = replay(Model(), calls)
         for i, (name, args, kw) in enumerate(calls[1:], start=1):
+            if name.endswith((".save", ".load")):   # the loaded cache1 is cache0's state: compare against ref
+                continue
             got = getattr(ref, name.split(".", 1)[1])(*args, **kw)
             if name.endswith((".codes", ".decode", ".keys_values", ".trim")):
                 assert _same(outs[i], got, 1e-12, 1e-12), name
