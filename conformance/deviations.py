@@ -699,6 +699,21 @@ def _strided_select(self, scores, *, n_kv_heads, **kw):
     return Model.select(self, s, n_kv_heads=n_kv_heads, **kw)
 
 
+def _strided_moment(self, queries, *, n_kv_heads, **kw):
+    """EQ-10 with KV head g pooling query heads g, g + n_kv, ... (a tile where the spec's h // G is a repeat)."""
+    q = _f(queries)
+    G = q.shape[0] // n_kv_heads
+    return Model.query_moment(self, q[[g + n_kv_heads * j for g in range(n_kv_heads) for j in range(G)]],
+                              n_kv_heads=n_kv_heads, **kw)
+
+
+def _rope_type_first(self, head_dim, base, scaling=None):
+    """rope_inv_freqs reading 'rope_type' before 'type' (HF transformers' order)."""
+    if isinstance(scaling, dict) and scaling.get("rope_type"):
+        scaling = {**scaling, "type": scaling["rope_type"]}
+    return _o.rope_inv_freqs(head_dim, base, scaling)
+
+
 def _dev(id_, cause, applies, *variants):
     return Deviation(id_, cause, frozenset(applies), tuple(variants))
 
@@ -719,6 +734,17 @@ DEVIATIONS: tuple[Deviation, ...] = (
          "scaling.get('rope_type', 'default'), so both spellings name the type", {"rope_inv_freqs"},
          _model("TypeOnly", "'type' only", rope_inv_freqs=_one_type_key("type")),
          _model("RopeTypeOnly", "'rope_type' only", rope_inv_freqs=_one_type_key("rope_type"))),
+    _dev("rope-type-key-order", "RoPE scaling type read with 'rope_type' first (HF transformers' order): mlx-lm reads "
+         "scaling.get('type') or scaling.get('rope_type', 'default'), so where the two disagree 'type' names the type",
+         {"rope_inv_freqs"}, _model("RopeTypeFirst", "'rope_type' first", rope_inv_freqs=_rope_type_first)),
+    _dev("b-sign-flipped", "far position negated: queries rotated by R_(-b) instead of R_b (rope_invert where "
+         "rope_apply is due)", {"wrope_scores", "far_query", "query_moment"},
+         _model("BNegated", "-b", far_b=lambda self, b, w=None: -b)),
+    _dev("b-low-precision", "far position b rounded through bfloat16 or float16 (a position tensor in the model's "
+         "dtype) before R_b: exact for 64 or 2048, wrong for b such as 3001",
+         _FAR - {"far_keys"} | {"query_moment"} | _DECODE,
+         _model("BBF16", "bfloat16 b", far_b=lambda self, b, w=None: float(_round(b, "bfloat16"))),
+         _model("BF16", "float16 b", far_b=lambda self, b, w=None: float(_round(b, "float16")))),
     _dev("b-missing", "R_b missing: far scores and H use b = 0 (no rotation) instead of the far position b",
          _FAR - {"far_keys"} | {"query_moment"} | _DECODE,
          _model("BMissing", "b = 0", far_b=lambda self, b, w=None: 0)),
@@ -739,6 +765,9 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("gqa-strided-groups", "GQA groups strided: KV head g unions query heads g, g + n_kv, g + 2·n_kv, ... "
          "(h % n_kv, a tile) instead of its G consecutive heads g·G ... g·G + G − 1 (h // G, a repeat)", _SELECT,
          _model("StridedGroups", "h % n_kv", select=_strided_select)),
+    _dev("h-strided-groups", "H of KV head g pooled from query heads g, g + n_kv, g + 2·n_kv, ... (h % n_kv, a "
+         "tile) instead of its G consecutive heads g·G ... g·G + G − 1 (h // G, a repeat)", {"query_moment"},
+         _model("HStrided", "h % n_kv", query_moment=_strided_moment)),
     _dev("h-one-head", "H from one query head per GQA group, not pooled over the group's heads", {"query_moment"},
          _model("HOneHead", "first head pooled", pooled_heads=lambda self, G: range(1))),
     _dev("topk-over-T", "top-k count int(topk·T) over the whole score row (T tokens) instead of the i + 1 tokens "
