@@ -754,6 +754,9 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("window-inclusive", "window boundary off by one: i - j <= w counted as near/window (spec: i - j < w)",
          {"wrope_scores"} | _SELECT,
          _model("WindowInclusive", "<=", is_near=lambda self, d, w: d <= w)),
+    _dev("window-symmetric", "window measured as |i - j| < w: a key w or more positions after the query counted far "
+         "(EQ-11 has no causal mask: i - j < w, so every later key is near when w > 0)", {"wrope_scores"},
+         _model("WindowSymmetric", "|i - j| < w", is_near=lambda self, d, w: np.abs(d) < w)),
     _dev("sinks-not-forced", "sinks not forced: the first `sinks` tokens compete as top-k candidates instead of "
          "always being kept", _SELECT,
          _model("SinksNotForced", "no sinks", is_sink=lambda self, j, sinks: np.zeros(np.shape(j), bool))),
