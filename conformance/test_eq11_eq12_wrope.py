@@ -21,12 +21,12 @@ def far_positions(*, long: bool = True):
     return st.one_of(opts + ([st.sampled_from(_LONG_B)] if long else []))
 
 
-def _case(draw, max_T=10):
+def _case(draw, max_T=10, long_b=True):
     p = draw(hh.rope_params(max_dim=32), label="rope")
     Tq = draw(st.integers(1, max_T), label="Tq")
     Tk = draw(st.integers(1, max_T), label="Tk")
     w = draw(st.integers(0, Tk + 2), label="w")
-    b = draw(far_positions(), label="b")
+    b = draw(far_positions(long=long_b), label="b")
     seed = draw(hh.seeds(), label="seed")
     rng = hh.rng_from(seed)
     q, k = hh.normal(rng, (Tq, p["d"])), hh.normal(rng, (Tk, p["d"]))
@@ -75,8 +75,10 @@ def test_window_boundary(ctx, data):
 @given(data=st.data())
 def test_eq11_recomposition(ctx, data):
     """Far query R_b x far keys, with exact-RoPE near scores, recomposes u_ij as the oracle computes it;
-    the near scores are the standard RoPE attention logits."""
-    p, q, k, pq, pk, w, b, seed = _case(data.draw)
+    the near scores are the standard RoPE attention logits. b stays within the tolerance table (4096): the
+    recomposition reaches q R_b by two rotations (R_p, then R_(b-p)), so even in float64 its angles round
+    differently from the oracle's one rotation, and float64 tolerances do not grow with the position."""
+    p, q, k, pq, pk, w, b, seed = _case(data.draw, long_b=False)
     ctx.note(seed=seed, head_dim=p["d"], w=w, b=b, q_positions=pq.tolist(), k_positions=pk.tolist())
     ctx.positions_up_to(max(b, pq.max(), pk.max()))
     kw = dict(inv_freqs=p["inv_freqs"], traditional=p["traditional"])

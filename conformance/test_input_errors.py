@@ -259,28 +259,31 @@ _BAD_SCALINGS = {
 
 
 @pytest.mark.clause("INPUT-ERRORS", needs=("rope_inv_freqs",))
-@given(kind=st.sampled_from(_UNSUPPORTED_TYPES), key=st.sampled_from(hh.ROPE_TYPE_KEYS), d=st.sampled_from([8, 64]))
-def test_rope_inv_freqs_rejects_unsupported_types(ctx, kind, key, d):
+@given(key=st.sampled_from(hh.ROPE_TYPE_KEYS), d=st.sampled_from([8, 64]), base=st.sampled_from(hh.BASES))
+def test_rope_inv_freqs_rejects_unsupported_types(ctx, key, d, base):
     """ROPE-FREQ: any scaling type but default, linear and llama3 raises ValueError listing the supported types
     (never a fallback to linear or default frequencies: yarn and longrope scale the input, dynamic depends on the
-    sequence length, proportional leaves dims unrotated, mrope has multi-axis positions)."""
-    scaling = dict(hh.rope_scaling_dict(kind, key), factor=4.0, original_max_position_embeddings=8192)
-    ctx.note(head_dim=d, scaling=scaling)
-    what = f"unsupported RoPE scaling type {kind!r} ({scaling})"
-    msg = ctx.expect_value_error("rope_inv_freqs", d, 10000.0, scaling, what=what)
-    missing = [t for t in ("linear", "llama3") if t not in msg]
-    if missing:
-        ctx.fail("INPUT-ERRORS", f"rope_inv_freqs: {what}: the ValueError must list the supported types "
-                 f"(default, linear, llama3); {missing} not named in: {msg!r}")
+    sequence length, proportional leaves dims unrotated, mrope has multi-axis positions). Every type in every
+    example: a drawn one would leave most of them out of a short run."""
+    for kind in _UNSUPPORTED_TYPES:
+        scaling = dict(hh.rope_scaling_dict(kind, key), factor=4.0, original_max_position_embeddings=8192)
+        ctx.note(head_dim=d, base=base, scaling=scaling)
+        what = f"unsupported RoPE scaling type {kind!r} ({scaling})"
+        msg = ctx.expect_value_error("rope_inv_freqs", d, base, scaling, what=what)
+        missing = [t for t in ("linear", "llama3") if t not in msg]
+        if missing:
+            ctx.fail("INPUT-ERRORS", f"rope_inv_freqs: {what}: the ValueError must list the supported types "
+                     f"(default, linear, llama3); {missing} not named in: {msg!r}")
 
 
 @pytest.mark.clause("INPUT-ERRORS", needs=("rope_inv_freqs",))
-@given(case=st.sampled_from(sorted(_BAD_SCALINGS)), d=st.sampled_from([8, 64]))
-def test_rope_inv_freqs_rejects_bad_scaling_parameters(ctx, case, d):
-    """ROPE-FREQ preconditions: factor > 0 and finite (and given), 0 < low_freq_factor < high_freq_factor."""
-    scaling = _BAD_SCALINGS[case]
-    ctx.note(head_dim=d, scaling=scaling)
-    ctx.expect_value_error("rope_inv_freqs", d, 10000.0, scaling, what=f"{case} ({scaling})")
+@given(d=st.sampled_from([8, 64]), base=st.sampled_from(hh.BASES))
+def test_rope_inv_freqs_rejects_bad_scaling_parameters(ctx, d, base):
+    """ROPE-FREQ preconditions: factor > 0 and finite (and given), 0 < low_freq_factor < high_freq_factor; every
+    case in every example."""
+    for case, scaling in _BAD_SCALINGS.items():
+        ctx.note(head_dim=d, base=base, case=case, scaling=scaling)
+        ctx.expect_value_error("rope_inv_freqs", d, base, scaling, what=f"{case} ({scaling})")
 
 
 def _rope_callables():
@@ -299,15 +302,8 @@ _BAD_ROTATIONS = ("positions one longer", "positions one shorter", "positions tr
                   "positions inf", "inv_freqs (d,)", "inv_freqs (d/2 + 1,)", "inv_freqs (1, d/2)")
 
 
-@pytest.mark.clause("INPUT-ERRORS")   # each case's own mark adds the callable it needs
-@pytest.mark.parametrize("fn", [pytest.param(f, marks=pytest.mark.clause("INPUT-ERRORS", needs=(f,)))
-                                for f in ("rope_apply", "rope_invert", "far_keys", "far_query")])
-@given(seed=hh.seeds(), case=st.sampled_from(_BAD_ROTATIONS), T=st.integers(3, 6), d=st.sampled_from([4, 8]))
-def test_rotation_rejects_bad_positions_and_inv_freqs(ctx, fn, seed, case, T, d):
-    """ROPE-APPLY preconditions (ROPE-INVERSE and EQ-12 take them "as ROPE-APPLY"): positions must broadcast
-    against x.shape[:-1] (no positions[-T:] or [:T] cut, no reshape), be finite, and inv_freqs must have shape
-    (d/2,) (not HF's (d,) cat(freqs, freqs), not truncated)."""
-    rng = hh.rng_from(seed)
+def _bad_rotation(rng, case: str, T: int, d: int):
+    """(x, positions, inv_freqs) valid but for ``case`` (x (2, T, d) or (2, T + 1, d), T >= 3)."""
     x = hh.normal(rng, (2, T, d))
     pos = np.arange(100, 100 + T)
     inv = oracle.rope_inv_freqs(d, 10000.0)
@@ -327,23 +323,41 @@ def test_rotation_rejects_bad_positions_and_inv_freqs(ctx, fn, seed, case, T, d)
         inv = oracle.rope_inv_freqs(d + 2, 10000.0)
     else:
         inv = inv[None, :]
-    ctx.note(seed=seed, case=case, x_shape=x.shape, positions_shape=pos.shape, inv_freqs_shape=inv.shape)
-    _rope_callables()[fn](ctx, x, pos, inv,
-                          f"{case}: x {x.shape}, positions {pos.shape}, inv_freqs {inv.shape} (head_dim {d})")
+    return x, pos, inv
+
+
+@pytest.mark.clause("INPUT-ERRORS")   # each case's own mark adds the callable it needs
+@pytest.mark.parametrize("fn", [pytest.param(f, marks=pytest.mark.clause("INPUT-ERRORS", needs=(f,)))
+                                for f in ("rope_apply", "rope_invert", "far_keys", "far_query")])
+@given(seed=hh.seeds(), T=st.integers(3, 6), d=st.sampled_from([4, 8]))
+def test_rotation_rejects_bad_positions_and_inv_freqs(ctx, fn, seed, T, d):
+    """ROPE-APPLY preconditions (ROPE-INVERSE and EQ-12 take them "as ROPE-APPLY"): positions must broadcast
+    against x.shape[:-1] (no positions[-T:] or [:T] cut, no reshape), be finite, and inv_freqs must have shape
+    (d/2,) (not HF's (d,) cat(freqs, freqs), not truncated). Every case in every example."""
+    rng = hh.rng_from(seed)
+    for case in _BAD_ROTATIONS:
+        x, pos, inv = _bad_rotation(rng, case, T, d)
+        ctx.note(seed=seed, case=case, x_shape=x.shape, positions_shape=pos.shape, inv_freqs_shape=inv.shape)
+        _rope_callables()[fn](ctx, x, pos, inv,
+                              f"{case}: x {x.shape}, positions {pos.shape}, inv_freqs {inv.shape} (head_dim {d})")
 
 
 @pytest.mark.clause("INPUT-ERRORS")   # each case's own mark adds the callable it needs
 @pytest.mark.parametrize("fn", [pytest.param(f, marks=pytest.mark.clause("INPUT-ERRORS", needs=(f,)))
                                 for f in ("wrope_scores", "far_query", "query_moment")])
-@given(seed=hh.seeds(), which=st.sampled_from(["w", "b"]), value=st.sampled_from([True, False, 2.0, 64.5, "64"]))
-def test_w_and_b_must_be_ints(ctx, fn, seed, which, value):
+@given(seed=hh.seeds(), which=st.sampled_from(["w", "b"]))
+def test_w_and_b_must_be_ints(ctx, fn, seed, which):
     """INPUT-ERRORS: w and b are ints, not bools (isinstance(True, int) holds in Python), floats or strings: no
-    silent int() of them."""
+    silent int() of them. Every value in every example."""
     if fn != "wrope_scores" and which == "w":
         which = "b"                        # far_query and query_moment take b only
-    rng = hh.rng_from(seed)
+    for value in (True, False, 2.0, 64.5, "64"):
+        _w_or_b_rejected(ctx, fn, hh.rng_from(seed), which, value)
+
+
+def _w_or_b_rejected(ctx, fn, rng, which, value):
     kw = dict(inv_freqs=_INV8, traditional=_layout(), **{which: value})
-    ctx.note(seed=seed, fn=fn, **{which: repr(value)})
+    ctx.note(fn=fn, **{which: repr(value)})
     what = f"{which}={value!r} ({type(value).__name__}; must be an int, not a bool)"
     if fn == "wrope_scores":
         msg = ctx.expect_value_error("wrope_scores", hh.normal(rng, (3, 8)), hh.normal(rng, (4, 8)),
@@ -359,11 +373,16 @@ _BAD_MOMENTS = ("group of zeros", "n_q not a multiple of n_kv", "negative ridge"
 
 
 @pytest.mark.clause("INPUT-ERRORS", needs=("query_moment",))
-@given(seed=hh.seeds(), case=st.sampled_from(_BAD_MOMENTS), n_kv=st.integers(1, 3), G=st.integers(1, 3))
-def test_query_moment_rejects_bad_input(ctx, seed, case, n_kv, G):
+@given(seed=hh.seeds(), n_kv=st.integers(1, 3), G=st.integers(1, 3))
+def test_query_moment_rejects_bad_input(ctx, seed, n_kv, G):
     """EQ-10 preconditions: a group whose queries are all zero cannot be normalised (no H / (rms + eps) returning
-    ridge*I); n_q % n_kv == 0 (no dropped heads); ridge >= 0 and finite (no clamping); N >= 1."""
-    rng = hh.rng_from(seed)
+    ridge*I); n_q % n_kv == 0 (no dropped heads); ridge >= 0 and finite (no clamping); N >= 1. Every case in
+    every example."""
+    for case in _BAD_MOMENTS:
+        _bad_moment_rejected(ctx, hh.rng_from(seed), seed, case, n_kv, G)
+
+
+def _bad_moment_rejected(ctx, rng, seed, case, n_kv, G):
     n_q, N, ridge = n_kv * G, 3, 1e-6
     q = hh.normal(rng, (n_q, N, 8))
     if case == "group of zeros":
