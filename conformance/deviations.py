@@ -730,13 +730,13 @@ DEVIATIONS: tuple[Deviation, ...] = (
          _model("Llama3High", "high_freq_factor 2", rope_inv_freqs=_llama3_defaults(high_freq_factor=2.0)),
          _model("Llama3L0High", "4096 and 2", rope_inv_freqs=_llama3_defaults(original_max_position_embeddings=4096,
                                                                              high_freq_factor=2.0))),
+    _dev("rope-type-key-order", "RoPE scaling type read with 'rope_type' first (HF transformers' order): mlx-lm reads "
+         "scaling.get('type') or scaling.get('rope_type', 'default'), so where the two disagree 'type' names the type",
+         {"rope_inv_freqs"}, _model("RopeTypeFirst", "'rope_type' first", rope_inv_freqs=_rope_type_first)),
     _dev("rope-type-one-key", "RoPE scaling type read from one key only: mlx-lm reads scaling.get('type') or "
          "scaling.get('rope_type', 'default'), so both spellings name the type", {"rope_inv_freqs"},
          _model("TypeOnly", "'type' only", rope_inv_freqs=_one_type_key("type")),
          _model("RopeTypeOnly", "'rope_type' only", rope_inv_freqs=_one_type_key("rope_type"))),
-    _dev("rope-type-key-order", "RoPE scaling type read with 'rope_type' first (HF transformers' order): mlx-lm reads "
-         "scaling.get('type') or scaling.get('rope_type', 'default'), so where the two disagree 'type' names the type",
-         {"rope_inv_freqs"}, _model("RopeTypeFirst", "'rope_type' first", rope_inv_freqs=_rope_type_first)),
     _dev("b-sign-flipped", "far position negated: queries rotated by R_(-b) instead of R_b (rope_invert where "
          "rope_apply is due)", {"wrope_scores", "far_query", "query_moment"},
          _model("BNegated", "-b", far_b=lambda self, b, w=None: -b)),

@@ -228,9 +228,10 @@ def test_wrope_scores_leading_dims_and_default_positions(ctx, data):
               what=f"wrope_scores of q {q.shape} and k {k.shape} (leading dims broadcast to "
                    f"{np.broadcast_shapes(lead_q, lead_k)}; output (..., Tq, Tk))")
     # defaults: more keys than queries and a window of at least one, so right-aligned query positions change the
-    # near scores
+    # near scores; b >= 1, since with b = 0 a far score equals the near score at distance 0 and a misplaced window
+    # (|i - j| < w, say) would give the same scores as misplaced positions
     q1, k1 = hh.normal(rng, (Tq, p["d"])), hh.normal(rng, (Tq + 1 + Tk, p["d"]))
-    kw1 = dict(kw, w=max(w, 1))
+    kw1 = dict(kw, w=max(w, 1), b=max(b, 1))
     ctx.check("wrope_scores", q1, k1, clause="EQ-11", **kw1,
-              what=f"wrope_scores with positions left out, q {q1.shape}, k {k1.shape}, w={kw1['w']}: queries at "
+              what=f"wrope_scores with positions left out, q {q1.shape}, k {k1.shape}, w={kw1['w']}, b={kw1['b']}: queries at "
                    f"arange({Tq}), keys at arange({k1.shape[0]}) (not right-aligned)")

@@ -182,7 +182,8 @@ def test_inv_freqs_type_key_read_first(ctx, d, base, kinds):
     when the two spellings disagree, "type" wins (HF transformers reads "rope_type" first; a port that copies it
     builds the other type's frequencies)."""
     by_type, by_rope_type = kinds
-    scaling = {**_SCALING_CONFIGS["linear"], **_SCALING_CONFIGS["llama3"], "type": by_type, "rope_type": by_rope_type}
+    params = {**_SCALING_CONFIGS["linear"], **_SCALING_CONFIGS["llama3"]}
+    scaling = {**params, "type": by_type, "rope_type": by_rope_type}
     ctx.note(head_dim=d, base=base, scaling=scaling)
     ctx.check("rope_inv_freqs", d, base, scaling, clause="ROPE-FREQ",
               what=f"rope_inv_freqs with scaling {scaling} (type {by_type!r} wins over rope_type {by_rope_type!r}: "
