@@ -10,6 +10,7 @@ to rounding, token by token (a block rotation by -offset would not).
 from __future__ import annotations
 
 import math
+import numbers
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,12 +56,30 @@ def rope_inv_freqs(head_dim: int, base: float, scaling: dict | None = None) -> m
         )
     if kind == "default":
         return _base_inv_freqs(d, base)
-    factor = scaling.get("factor")
-    if not (isinstance(factor, (int, float)) and factor > 0):
+    factor = _scaling_number(scaling, "factor", None)
+    if not factor > 0:
         raise ValueError(f"scaling['factor']: expected a positive number for {kind!r} scaling, got {factor!r}")
     if kind == "linear":
         return _base_inv_freqs(d, base) / factor
+    low = _scaling_number(scaling, "low_freq_factor", 1.0)
+    high = _scaling_number(scaling, "high_freq_factor", 4.0)
+    old_len = _scaling_number(scaling, "original_max_position_embeddings", 8192)
+    if not (0 < low < high and old_len > 0):
+        # low == high would divide by zero in the medium band's blend; low <= 0 makes the bands meaningless
+        raise ValueError(f"scaling: llama3 needs 0 < low_freq_factor < high_freq_factor and "
+                         f"original_max_position_embeddings > 0; got low_freq_factor={low!r}, "
+                         f"high_freq_factor={high!r}, original_max_position_embeddings={old_len!r}")
     return _llama3_inv_freqs(d, base, scaling)
+
+
+def _scaling_number(scaling: dict, key: str, default):
+    """scaling[key] (or its default when left out) as a finite real, else ValueError naming the key."""
+    if key not in scaling and default is not None:
+        return default
+    v = scaling.get(key)
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        raise ValueError(f"scaling[{key!r}]: expected a finite number, got {v!r}")
+    return v
 
 
 def rope_params_from_module(rope_module, head_dim: int | None = None) -> tuple[mx.array, bool]:

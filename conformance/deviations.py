@@ -699,6 +699,21 @@ def _strided_select(self, scores, *, n_kv_heads, **kw):
     return Model.select(self, s, n_kv_heads=n_kv_heads, **kw)
 
 
+def _strided_moment(self, queries, *, n_kv_heads, **kw):
+    """EQ-10 with KV head g pooling query heads g, g + n_kv, ... (a tile where the spec's h // G is a repeat)."""
+    q = _f(queries)
+    G = q.shape[0] // n_kv_heads
+    return Model.query_moment(self, q[[g + n_kv_heads * j for g in range(n_kv_heads) for j in range(G)]],
+                              n_kv_heads=n_kv_heads, **kw)
+
+
+def _rope_type_first(self, head_dim, base, scaling=None):
+    """rope_inv_freqs reading 'rope_type' before 'type' (HF transformers' order)."""
+    if isinstance(scaling, dict) and scaling.get("rope_type"):
+        scaling = {**scaling, "type": scaling["rope_type"]}
+    return _o.rope_inv_freqs(head_dim, base, scaling)
+
+
 def _dev(id_, cause, applies, *variants):
     return Deviation(id_, cause, frozenset(applies), tuple(variants))
 
@@ -715,10 +730,21 @@ DEVIATIONS: tuple[Deviation, ...] = (
          _model("Llama3High", "high_freq_factor 2", rope_inv_freqs=_llama3_defaults(high_freq_factor=2.0)),
          _model("Llama3L0High", "4096 and 2", rope_inv_freqs=_llama3_defaults(original_max_position_embeddings=4096,
                                                                              high_freq_factor=2.0))),
+    _dev("rope-type-key-order", "RoPE scaling type read with 'rope_type' first (HF transformers' order): mlx-lm reads "
+         "scaling.get('type') or scaling.get('rope_type', 'default'), so where the two disagree 'type' names the type",
+         {"rope_inv_freqs"}, _model("RopeTypeFirst", "'rope_type' first", rope_inv_freqs=_rope_type_first)),
     _dev("rope-type-one-key", "RoPE scaling type read from one key only: mlx-lm reads scaling.get('type') or "
          "scaling.get('rope_type', 'default'), so both spellings name the type", {"rope_inv_freqs"},
          _model("TypeOnly", "'type' only", rope_inv_freqs=_one_type_key("type")),
          _model("RopeTypeOnly", "'rope_type' only", rope_inv_freqs=_one_type_key("rope_type"))),
+    _dev("b-sign-flipped", "far position negated: queries rotated by R_(-b) instead of R_b (rope_invert where "
+         "rope_apply is due)", {"wrope_scores", "far_query", "query_moment"},
+         _model("BNegated", "-b", far_b=lambda self, b, w=None: -b)),
+    _dev("b-low-precision", "far position b rounded through bfloat16 or float16 (a position tensor in the model's "
+         "dtype) before R_b: exact for 64 or 2048, wrong for b such as 3001",
+         _FAR - {"far_keys"} | {"query_moment"} | _DECODE,
+         _model("BBF16", "bfloat16 b", far_b=lambda self, b, w=None: float(_round(b, "bfloat16"))),
+         _model("BF16", "float16 b", far_b=lambda self, b, w=None: float(_round(b, "float16")))),
     _dev("b-missing", "R_b missing: far scores and H use b = 0 (no rotation) instead of the far position b",
          _FAR - {"far_keys"} | {"query_moment"} | _DECODE,
          _model("BMissing", "b = 0", far_b=lambda self, b, w=None: 0)),
@@ -728,6 +754,9 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("window-inclusive", "window boundary off by one: i - j <= w counted as near/window (spec: i - j < w)",
          {"wrope_scores"} | _SELECT,
          _model("WindowInclusive", "<=", is_near=lambda self, d, w: d <= w)),
+    _dev("window-symmetric", "window measured as |i - j| < w: a key w or more positions after the query counted far "
+         "(EQ-11 has no causal mask: i - j < w, so every later key is near when w > 0)", {"wrope_scores"},
+         _model("WindowSymmetric", "|i - j| < w", is_near=lambda self, d, w: np.abs(d) < w)),
     _dev("sinks-not-forced", "sinks not forced: the first `sinks` tokens compete as top-k candidates instead of "
          "always being kept", _SELECT,
          _model("SinksNotForced", "no sinks", is_sink=lambda self, j, sinks: np.zeros(np.shape(j), bool))),
@@ -739,6 +768,9 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("gqa-strided-groups", "GQA groups strided: KV head g unions query heads g, g + n_kv, g + 2·n_kv, ... "
          "(h % n_kv, a tile) instead of its G consecutive heads g·G ... g·G + G − 1 (h // G, a repeat)", _SELECT,
          _model("StridedGroups", "h % n_kv", select=_strided_select)),
+    _dev("h-strided-groups", "H of KV head g pooled from query heads g, g + n_kv, g + 2·n_kv, ... (h % n_kv, a "
+         "tile) instead of its G consecutive heads g·G ... g·G + G − 1 (h // G, a repeat)", {"query_moment"},
+         _model("HStrided", "h % n_kv", query_moment=_strided_moment)),
     _dev("h-one-head", "H from one query head per GQA group, not pooled over the group's heads", {"query_moment"},
          _model("HOneHead", "first head pooled", pooled_heads=lambda self, G: range(1))),
     _dev("topk-over-T", "top-k count int(topk·T) over the whole score row (T tokens) instead of the i + 1 tokens "

@@ -890,3 +890,121 @@ class RopeInvertFirstRowPositions(Mutant):
         if p.ndim >= 2:
             p = np.broadcast_to(p.reshape(-1, p.shape[-1])[0], p.shape).copy()
         return self._ref.rope_invert(x, p, inv_freqs, traditional=traditional)
+
+
+# ---- gaps of the third audit, area A (RoPE, EQ-10..12)
+# Bugs the suite of commit 3ce9183 passed at the ci profile (seeds 0 and 1) on their clause: b was only ever drawn at
+# values bfloat16 holds exactly, far_keys/far_query and wrope_scores only on 2-D inputs with explicit (T,) positions,
+# the two scaling-type keys never disagreed, and the INPUT-ERRORS of RoPE, EQ-10 and ROPE-FREQ were barely probed.
+
+@_gap
+class RopeTypeKeyOrder(Mutant):
+    expected_clause = "ROPE-FREQ"
+    bug = "scaling type read as HF transformers reads it, rope_type before type (spec and mlx-lm: type first)"
+    gap = "test_rope.py::test_inv_freqs_type_key_read_first"
+    expected_cause = "rope-type-key-order"
+
+    def rope_inv_freqs(self, head_dim, base, scaling=None):
+        if isinstance(scaling, dict) and scaling.get("rope_type"):
+            scaling = {**scaling, "type": scaling["rope_type"]}
+        return self._ref.rope_inv_freqs(head_dim, base, scaling)
+
+
+@_gap
+class QueryMomentBBfloat16(Mutant):
+    expected_clause = "EQ-10"
+    bug = "b held as a bfloat16 position tensor (the model's dtype) before R_b: exact at 64, 2048, 4096, not at 3001"
+    gap = "test_eq10_query_moment.py::test_query_moment_matches_oracle"
+    expected_cause = "b-low-precision"
+
+    def query_moment(self, queries, *, b, inv_freqs, traditional, **kw):
+        from .deviations import _round
+
+        # the reference rotates by b; rotating the queries by bf16(b) - b first makes that bf16(b) in all
+        shift = float(_round(b, "bfloat16")) - b
+        q = np.asarray(queries)
+        q = _o.rope_apply(_np(q), shift, _np(inv_freqs), traditional=traditional).astype(q.dtype)
+        return self._ref.query_moment(q, b=b, inv_freqs=inv_freqs, traditional=traditional, **kw)
+
+
+@_gap
+class WropeDefaultRightAligned(Mutant):
+    expected_clause = "EQ-11"
+    bug = ("positions left out: queries right-aligned to the keys (Tk - Tq + arange(Tq), as in a decode) instead of "
+           "arange(Tq)")
+    gap = "test_eq11_eq12_wrope.py::test_wrope_scores_leading_dims_and_default_positions"
+
+    def wrope_scores(self, q, k, *, q_positions=None, k_positions=None, **kw):
+        Tq, Tk = np.shape(q)[-2], np.shape(k)[-2]
+        if q_positions is None and Tk >= Tq:
+            q_positions = np.arange(Tk - Tq, Tk)
+        return self._ref.wrope_scores(q, k, q_positions=q_positions, k_positions=k_positions, **kw)
+
+
+@_gap
+class FarQueryScalarAsOffset(Mutant):
+    expected_clause = "EQ-12"
+    bug = "far_query takes an int position as an offset (mx.fast.rope style): query head h moved by b - (p + h)"
+    gap = "test_eq11_eq12_wrope.py::test_far_side_leading_dims_and_position_forms"
+
+    def far_query(self, q, *, b, inv_freqs, traditional, positions=None):
+        if positions is not None and np.ndim(positions) == 0:
+            positions = int(positions) + np.arange(np.shape(q)[-2])
+        return self._ref.far_query(q, b=b, inv_freqs=inv_freqs, traditional=traditional, positions=positions)
+
+
+@_gap
+class FarKeysFlattenedHeads(Mutant):
+    expected_clause = "EQ-12"
+    bug = ("far_keys flattens (n_kv, T, d) to rows and pairs them with np.repeat(positions, n_kv) (np.tile is the "
+           "right order): heads' keys de-rotated at other tokens' positions")
+    gap = "test_eq11_eq12_wrope.py::test_far_side_leading_dims_and_position_forms"
+
+    def far_keys(self, k_post, positions, inv_freqs, *, traditional):
+        k, p = np.asarray(k_post), np.asarray(positions)
+        if k.ndim > 2 and p.ndim == 1:
+            rows = np.repeat(p, int(np.prod(k.shape[:-2])))
+            flat = self._ref.far_keys(k.reshape(-1, k.shape[-1]), rows, inv_freqs, traditional=traditional)
+            return np.asarray(flat).reshape(k.shape)
+        return self._ref.far_keys(k_post, positions, inv_freqs, traditional=traditional)
+
+
+@_gap
+class RopeUnsupportedAsLinear(Mutant):
+    expected_clause = "INPUT-ERRORS"
+    bug = "unsupported scaling types (yarn, dynamic, longrope, ...) built as linear with their factor, not rejected"
+    gap = "test_input_errors.py::test_rope_inv_freqs_rejects_unsupported_types"
+
+    def rope_inv_freqs(self, head_dim, base, scaling=None):
+        kind = (scaling.get("type") or scaling.get("rope_type")) if isinstance(scaling, dict) else None
+        if kind not in (None, "default", "linear", "llama3"):
+            scaling = {"type": "linear", "factor": scaling.get("factor", 1.0)}
+        return self._ref.rope_inv_freqs(head_dim, base, scaling)
+
+
+@_gap
+class RopeCutsLongPositions(Mutant):
+    expected_clause = "INPUT-ERRORS"
+    bug = "positions longer than the T rows silently cut to their last T (positions[-T:], a cache idiom)"
+    gap = "test_input_errors.py::test_rotation_rejects_bad_positions_and_inv_freqs"
+
+    def rope_apply(self, x, positions, inv_freqs, *, traditional):
+        p = np.asarray(positions)
+        if np.ndim(x) >= 2 and p.ndim == 1 and p.shape[0] > np.shape(x)[-2]:
+            p = p[-np.shape(x)[-2]:]
+        return self._ref.rope_apply(x, p, inv_freqs, traditional=traditional)
+
+
+@_gap
+class QueryMomentEpsNormalise(Mutant):
+    expected_clause = "INPUT-ERRORS"
+    bug = "H / (rms + 1e-12): a KV group whose queries are all zero gets ridge*I instead of a ValueError"
+    gap = "test_input_errors.py::test_query_moment_rejects_bad_input"
+
+    def query_moment(self, queries, *, n_kv_heads, b, inv_freqs, traditional, ridge=1e-6):
+        q = _o.rope_apply(_np(queries), b, _np(inv_freqs), traditional=traditional)
+        n_q, N, d = q.shape
+        Q = q.reshape(n_kv_heads, n_q // n_kv_heads * N, d)
+        H = np.swapaxes(Q, -1, -2) @ Q / Q.shape[1]
+        rms = np.sqrt(np.mean(H ** 2, axis=(-2, -1), keepdims=True))
+        return (H / (rms + 1e-12) + ridge * np.eye(d)).astype(np.float32)

@@ -232,3 +232,176 @@ def test_decode_step_rejects_codes_out_of_range(ctx, case, data):
     ctx.note(**notes, codes=codes.tolist(), w=kw["w"], sinks=kw["sinks"], topk=kw["topk"])
     msg = ctx.expect_value_error("decode_step", q, k, v, codes, C, what=what, **kw)
     _named(ctx, msg, "codes", f"decode_step: {what}")
+
+
+# --------------------------------------------------------------------------- RoPE, EQ-10, EQ-11, EQ-12 preconditions
+# ROPE-FREQ: any type other than default/linear/llama3 raises, listing them; factor > 0; 0 < low_freq_factor <
+# high_freq_factor. ROPE-APPLY (and ROPE-INVERSE, EQ-12 "as ROPE-APPLY"): positions broadcast against
+# x.shape[:-1], inv_freqs (d/2,), finite inputs. EQ-10: n_q % n_kv == 0, ridge >= 0, an all-zero group cannot be
+# normalised. INPUT-ERRORS: w, b are ints, not bools. Each case is a silent fix a port is likely to make instead.
+
+#: Scaling types mlx-lm or HF know that ROPE-FREQ does not support, and configs of supported types that are invalid.
+_UNSUPPORTED_TYPES = ("yarn", "deepseek_yarn", "longrope", "su", "dynamic", "proportional", "mrope", "ntk")
+_BAD_SCALINGS = {
+    "linear factor 0": {"type": "linear", "factor": 0.0},
+    "linear factor -2": {"type": "linear", "factor": -2.0},
+    "linear factor inf": {"type": "linear", "factor": np.inf},
+    "linear factor missing": {"type": "linear"},
+    "llama3 factor missing": {"rope_type": "llama3", "low_freq_factor": 1.0},
+    "llama3 factor nan": {"rope_type": "llama3", "factor": np.nan},
+    "llama3 low_freq_factor == high_freq_factor": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                                   "high_freq_factor": 4.0},
+    "llama3 low_freq_factor > high_freq_factor": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                                  "high_freq_factor": 1.0},
+    "llama3 low_freq_factor 0": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.0},
+    "llama3 low_freq_factor -1": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": -1.0},
+}
+
+
+@pytest.mark.clause("INPUT-ERRORS", needs=("rope_inv_freqs",))
+@given(key=st.sampled_from(hh.ROPE_TYPE_KEYS), d=st.sampled_from([8, 64]), base=st.sampled_from(hh.BASES))
+def test_rope_inv_freqs_rejects_unsupported_types(ctx, key, d, base):
+    """ROPE-FREQ: any scaling type but default, linear and llama3 raises ValueError listing the supported types
+    (never a fallback to linear or default frequencies: yarn and longrope scale the input, dynamic depends on the
+    sequence length, proportional leaves dims unrotated, mrope has multi-axis positions). Every type in every
+    example: a drawn one would leave most of them out of a short run."""
+    for kind in _UNSUPPORTED_TYPES:
+        scaling = dict(hh.rope_scaling_dict(kind, key), factor=4.0, original_max_position_embeddings=8192)
+        ctx.note(head_dim=d, base=base, scaling=scaling)
+        what = f"unsupported RoPE scaling type {kind!r} ({scaling})"
+        msg = ctx.expect_value_error("rope_inv_freqs", d, base, scaling, what=what)
+        missing = [t for t in ("linear", "llama3") if t not in msg]
+        if missing:
+            ctx.fail("INPUT-ERRORS", f"rope_inv_freqs: {what}: the ValueError must list the supported types "
+                     f"(default, linear, llama3); {missing} not named in: {msg!r}")
+
+
+@pytest.mark.clause("INPUT-ERRORS", needs=("rope_inv_freqs",))
+@given(d=st.sampled_from([8, 64]), base=st.sampled_from(hh.BASES))
+def test_rope_inv_freqs_rejects_bad_scaling_parameters(ctx, d, base):
+    """ROPE-FREQ preconditions: factor > 0 and finite (and given), 0 < low_freq_factor < high_freq_factor; every
+    case in every example."""
+    for case, scaling in _BAD_SCALINGS.items():
+        ctx.note(head_dim=d, base=base, case=case, scaling=scaling)
+        ctx.expect_value_error("rope_inv_freqs", d, base, scaling, what=f"{case} ({scaling})")
+
+
+def _rope_callables():
+    """(name, call(ctx, x, positions, inv, *, what)) for every callable that rotates at given positions."""
+    t = _layout()
+    return {
+        "rope_apply": lambda ctx, x, p, inv, what: ctx.expect_value_error("rope_apply", x, p, inv, traditional=t, what=what),
+        "rope_invert": lambda ctx, x, p, inv, what: ctx.expect_value_error("rope_invert", x, p, inv, traditional=t, what=what),
+        "far_keys": lambda ctx, x, p, inv, what: ctx.expect_value_error("far_keys", x, p, inv, traditional=t, what=what),
+        "far_query": lambda ctx, x, p, inv, what: ctx.expect_value_error("far_query", x, b=64, inv_freqs=inv,
+                                                                           traditional=t, positions=p, what=what),
+    }
+
+
+_BAD_ROTATIONS = ("positions one longer", "positions one shorter", "positions transposed", "positions nan",
+                  "positions inf", "inv_freqs (d,)", "inv_freqs (d/2 + 1,)", "inv_freqs (1, d/2)")
+
+
+def _bad_rotation(rng, case: str, T: int, d: int):
+    """(x, positions, inv_freqs) valid but for ``case`` (x (2, T, d) or (2, T + 1, d), T >= 3)."""
+    x = hh.normal(rng, (2, T, d))
+    pos = np.arange(100, 100 + T)
+    inv = oracle.rope_inv_freqs(d, 10000.0)
+    if case == "positions one longer":
+        pos = np.arange(100, 101 + T)
+    elif case == "positions one shorter":
+        pos = np.arange(100, 99 + T)
+    elif case == "positions transposed":      # (T + 1, 2) for x (2, T + 1, d): T + 1 >= 4, so no broadcast
+        x = hh.normal(rng, (2, T + 1, d))
+        pos = np.arange(100, 100 + 2 * (T + 1)).reshape(T + 1, 2)
+    elif case in ("positions nan", "positions inf"):
+        pos = pos.astype(np.float64)
+        pos[T // 2] = np.nan if case == "positions nan" else np.inf
+    elif case == "inv_freqs (d,)":
+        inv = np.concatenate([inv, inv])
+    elif case == "inv_freqs (d/2 + 1,)":
+        inv = oracle.rope_inv_freqs(d + 2, 10000.0)
+    else:
+        inv = inv[None, :]
+    return x, pos, inv
+
+
+@pytest.mark.clause("INPUT-ERRORS")   # each case's own mark adds the callable it needs
+@pytest.mark.parametrize("fn", [pytest.param(f, marks=pytest.mark.clause("INPUT-ERRORS", needs=(f,)))
+                                for f in ("rope_apply", "rope_invert", "far_keys", "far_query")])
+@given(seed=hh.seeds(), T=st.integers(3, 6), d=st.sampled_from([4, 8]))
+def test_rotation_rejects_bad_positions_and_inv_freqs(ctx, fn, seed, T, d):
+    """ROPE-APPLY preconditions (ROPE-INVERSE and EQ-12 take them "as ROPE-APPLY"): positions must broadcast
+    against x.shape[:-1] (no positions[-T:] or [:T] cut, no reshape), be finite, and inv_freqs must have shape
+    (d/2,) (not HF's (d,) cat(freqs, freqs), not truncated). Every case in every example."""
+    rng = hh.rng_from(seed)
+    for case in _BAD_ROTATIONS:
+        x, pos, inv = _bad_rotation(rng, case, T, d)
+        ctx.note(seed=seed, case=case, x_shape=x.shape, positions_shape=pos.shape, inv_freqs_shape=inv.shape)
+        _rope_callables()[fn](ctx, x, pos, inv,
+                              f"{case}: x {x.shape}, positions {pos.shape}, inv_freqs {inv.shape} (head_dim {d})")
+
+
+@pytest.mark.clause("INPUT-ERRORS")   # each case's own mark adds the callable it needs
+@pytest.mark.parametrize("fn", [pytest.param(f, marks=pytest.mark.clause("INPUT-ERRORS", needs=(f,)))
+                                for f in ("wrope_scores", "far_query", "query_moment")])
+@given(seed=hh.seeds(), which=st.sampled_from(["w", "b"]))
+def test_w_and_b_must_be_ints(ctx, fn, seed, which):
+    """INPUT-ERRORS: w and b are ints, not bools (isinstance(True, int) holds in Python), floats or strings: no
+    silent int() of them. Every value in every example."""
+    if fn != "wrope_scores" and which == "w":
+        which = "b"                        # far_query and query_moment take b only
+    for value in (True, False, 2.0, 64.5, "64"):
+        _w_or_b_rejected(ctx, fn, hh.rng_from(seed), which, value)
+
+
+def _w_or_b_rejected(ctx, fn, rng, which, value):
+    kw = dict(inv_freqs=_INV8, traditional=_layout(), **{which: value})
+    ctx.note(fn=fn, **{which: repr(value)})
+    what = f"{which}={value!r} ({type(value).__name__}; must be an int, not a bool)"
+    if fn == "wrope_scores":
+        msg = ctx.expect_value_error("wrope_scores", hh.normal(rng, (3, 8)), hh.normal(rng, (4, 8)),
+                                     what=what, **{"w": 2, "b": 64, **kw})
+    elif fn == "far_query":
+        msg = ctx.expect_value_error("far_query", hh.normal(rng, (3, 8)), what=what, **kw)
+    else:
+        msg = ctx.expect_value_error("query_moment", hh.normal(rng, (4, 3, 8)), n_kv_heads=2, what=what, **kw)
+    _named(ctx, msg, which, f"{fn}: {what}")
+
+
+_BAD_MOMENTS = ("group of zeros", "n_q not a multiple of n_kv", "negative ridge", "non-finite ridge", "no tokens")
+
+
+@pytest.mark.clause("INPUT-ERRORS", needs=("query_moment",))
+@given(seed=hh.seeds(), n_kv=st.integers(1, 3), G=st.integers(1, 3))
+def test_query_moment_rejects_bad_input(ctx, seed, n_kv, G):
+    """EQ-10 preconditions: a group whose queries are all zero cannot be normalised (no H / (rms + eps) returning
+    ridge*I); n_q % n_kv == 0 (no dropped heads); ridge >= 0 and finite (no clamping); N >= 1. Every case in
+    every example."""
+    for case in _BAD_MOMENTS:
+        _bad_moment_rejected(ctx, hh.rng_from(seed), seed, case, n_kv, G)
+
+
+def _bad_moment_rejected(ctx, rng, seed, case, n_kv, G):
+    n_q, N, ridge = n_kv * G, 3, 1e-6
+    q = hh.normal(rng, (n_q, N, 8))
+    if case == "group of zeros":
+        g = int(rng.integers(n_kv))
+        q[g * G:(g + 1) * G] = 0.0
+        what = f"the queries of KV group {g} (heads {g * G}..{g * G + G - 1}) all zero"
+    elif case == "n_q not a multiple of n_kv":
+        n_kv = max(n_kv, 2)                # every n_q is a multiple of 1
+        q = hh.normal(rng, (n_kv * G + 1, N, 8))
+        what = f"n_q={q.shape[0]} query heads, n_kv_heads={n_kv}"
+    elif case == "negative ridge":
+        ridge = -1e-3
+        what = "ridge=-1e-3"
+    elif case == "non-finite ridge":
+        ridge = float("nan")
+        what = "ridge=nan"
+    else:
+        q = q[:, :0]
+        what = f"queries {q.shape} (N = 0 tokens)"
+    ctx.note(seed=seed, case=case, queries_shape=q.shape, n_kv=n_kv, ridge=ridge)
+    ctx.expect_value_error("query_moment", q, n_kv_heads=n_kv, b=64, inv_freqs=_INV8, traditional=_layout(),
+                           ridge=ridge, what=what)

@@ -167,3 +167,24 @@ def test_rope_invert_is_per_token(ctx, data):
     y = ctx.call("rope_apply", x, pos, **kw)
     back = ctx.call("rope_invert", y, pos, **kw)
     ctx.assert_close(back, ctx.cast(x), clause="ROPE-INVERSE", what="rope_invert(rope_apply(x, p), p) vs x")
+
+
+#: Supported scaling types, each as a complete config (so either spelling can name it without a missing key).
+_SCALING_CONFIGS = {"default": {}, "linear": {"factor": 4.0}, "llama3": {"factor": 8.0}}
+
+
+@pytest.mark.clause("ROPE-FREQ")
+@given(d=hh.head_dims(), base=st.sampled_from(hh.BASES),
+       kinds=st.permutations(sorted(_SCALING_CONFIGS)).map(lambda p: p[:2]))
+@example(d=64, base=500000.0, kinds=("linear", "llama3"))
+def test_inv_freqs_type_key_read_first(ctx, d, base, kinds):
+    """ROPE-FREQ reads the type as mlx-lm does, ``scaling.get("type") or scaling.get("rope_type", "default")``:
+    when the two spellings disagree, "type" wins (HF transformers reads "rope_type" first; a port that copies it
+    builds the other type's frequencies)."""
+    by_type, by_rope_type = kinds
+    params = {**_SCALING_CONFIGS["linear"], **_SCALING_CONFIGS["llama3"]}
+    scaling = {**params, "type": by_type, "rope_type": by_rope_type}
+    ctx.note(head_dim=d, base=base, scaling=scaling)
+    ctx.check("rope_inv_freqs", d, base, scaling, clause="ROPE-FREQ",
+              what=f"rope_inv_freqs with scaling {scaling} (type {by_type!r} wins over rope_type {by_rope_type!r}: "
+                   "mlx-lm reads scaling.get('type') first)")

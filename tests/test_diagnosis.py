@@ -75,7 +75,21 @@ def _probes():
         [("rope_inv_freqs", (64, 10000.0, {"type": "linear", "factor": 4.0}), {})],
         [("select_tokens", (rng.standard_normal((n_q, 40)),), dict(n_kv_heads=n_kv, query_pos=30, w=3, sinks=2, topk=0.2))],
         [decode_call(40)], [decode_call(300)], [decode_call(40, scale=0.3)], cache_calls, long_cache, batched,
-    ] + _saved_probes(cfg, batched, tokens, q_at)
+    ] + _saved_probes(cfg, batched, tokens, q_at) + _far_position_probes()
+
+
+def _far_position_probes():
+    """A far position b that bfloat16 and float16 cannot hold (3001), scaling keys that disagree, and keys up to
+    10 positions after the queries (window w = 3). Their own random stream, so the probes above keep their data."""
+    rng = np.random.default_rng(8)
+    kw = dict(inv_freqs=oracle.rope_inv_freqs(8, 10000.0), traditional=True)
+    return [
+        [("rope_inv_freqs", (64, 10000.0, {"type": "linear", "rope_type": "llama3", "factor": 8.0}), {})],
+        [("query_moment", (rng.standard_normal((4, 6, 8)),), dict(n_kv_heads=2, b=3001, **kw))],
+        [("far_query", (rng.standard_normal((4, 8)),), dict(b=3001, positions=np.full(4, 3003), **kw))],
+        [("wrope_scores", (rng.standard_normal((4, 8)), rng.standard_normal((6, 8))),
+          dict(w=3, b=64, q_positions=np.arange(3001, 3005), k_positions=np.arange(3001, 3013, 2), **kw))],
+    ]
 
 
 def _saved_probes(cfg, batched, tokens, q_at):

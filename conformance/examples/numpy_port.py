@@ -156,7 +156,7 @@ def rope_inv_freqs(head_dim, base, scaling=None):
     if kind == "default":
         return omega
     factor = float(scaling.get("factor", 0.0))
-    if not factor > 0:
+    if not (np.isfinite(factor) and factor > 0):     # INPUT-ERRORS: floating inputs are finite
         raise ValueError(f"scaling: 'factor' must be > 0, got {scaling.get('factor')!r}")
     if kind == "linear":
         return omega / factor
