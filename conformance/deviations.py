@@ -112,6 +112,9 @@ class Model:
     def count(self, n, topk, n_candidates):  # RET-TOPK: int() of the fraction
         return _o.topk_count(n, topk, n_candidates)
 
+    def adds_own_token(self, k, forced):     # RET-SELECT: never empty, only when nothing else is selected
+        return k == 0 and not forced.any()
+
     def voters(self, G):                     # RET-SELECT: every head of the group votes (union)
         return range(G)
 
@@ -264,7 +267,7 @@ class Model:
         pool = (j <= i) if self.duplicates() else ((j <= i) & ~forced)
         idx = np.flatnonzero(pool)
         k = self.count(self.topk_length(i, T, capacity, int(idx.size)), topk, int(idx.size))
-        if k == 0 and not forced.any():      # RET-SELECT: never empty, the query's own token instead
+        if self.adds_own_token(k, forced):   # RET-SELECT: never empty, the query's own token instead
             forced = forced.copy()
             forced[i] = True
         flat = self.ranking(s).reshape((-1, n_q, T))
@@ -728,6 +731,10 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("window-inclusive", "window boundary off by one: i - j <= w counted as near/window (spec: i - j < w)",
          {"wrope_scores"} | _SELECT,
          _model("WindowInclusive", "<=", is_near=lambda self, d, w: d <= w)),
+    _dev("never-empty-beside-sinks", "never-empty rule applied whenever the top-k count is 0: the query's own token "
+         "added although sinks are selected (with w = 0 it belongs in the selection only when sinks and window are "
+         "both empty)", _SELECT,
+         _model("OwnTokenAtCountZero", "own token at count 0", adds_own_token=lambda self, k, forced: k == 0)),
     _dev("sinks-not-forced", "sinks not forced: the first `sinks` tokens compete as top-k candidates instead of "
          "always being kept", _SELECT,
          _model("SinksNotForced", "no sinks", is_sink=lambda self, j, sinks: np.zeros(np.shape(j), bool))),

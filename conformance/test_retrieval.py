@@ -75,10 +75,13 @@ def _topk_count_cases(draw):
 @example(case=(100, 0.29, None))      # RET-TOPK: int(0.29 · 100) = 28; a float32 product gives 29
 @example(case=(900, 0.13, None))      # 117; float32 gives 116
 @example(case=(90, 0.7, 90))          # int(62.99999999999999) = 62; float32 or rounding gives 63
+@example(case=(37, 1, None))          # the int 1 is a count of one token, not the fraction 1.0 (all 37)
+@example(case=(37, 1, 20))
 def test_topk_count_matches_oracle(ctx, case):
     """float topk -> int(topk * T) (int() of Python's float64 product); int topk -> topk; capped at n_candidates."""
     T, topk, n_candidates = case
-    assume(isinstance(topk, int) or "fraction" in capabilities.current().topk)   # explicit examples are fractions
+    forms = capabilities.current().topk
+    assume(("count" if isinstance(topk, int) else "fraction") in forms)   # explicit examples: either form
     ctx.note(T=T, topk=topk, n_candidates=n_candidates)
     args = (T, topk) if n_candidates is None else (T, topk, n_candidates)
     got = ctx.call("topk_count", *args)
@@ -161,19 +164,28 @@ def test_select_tokens_is_an_allowed_selection(ctx, case):
 @pytest.mark.clause("RET-SELECT", requires={"topk": "fraction"})   # only a fraction can count 0 tokens
 @given(data=st.data())
 def test_select_tokens_is_never_empty(ctx, data):
-    """No sinks, no window, a top-k count of 0: exactly the query's own token is selected (never-empty rule)."""
+    """A top-k count of 0: exactly the sinks and the window are selected, and when both are empty (w = 0,
+    sinks = 0) exactly the query's own token (never-empty rule). The own token is added only then: with sinks
+    and w = 0 it is not selected unless it is a sink."""
     n_q, n_kv = data.draw(hh.gqa_heads(), label="heads")
     T = data.draw(st.integers(1, 40), label="T")
     i = data.draw(st.integers(0, T - 1), label="query_pos")
+    w = data.draw(st.sampled_from([0, 0, 1, 3]), label="w")
+    sinks = data.draw(st.sampled_from([0, 0, 1, 3]), label="sinks")
     topk = data.draw(st.floats(1e-3, 0.999 / (i + 1)), label="topk")   # int(topk * (i + 1)) == 0
     s = hh.normal(hh.rng_from(data.draw(hh.seeds(), label="seed")), (n_q, T))
-    ctx.note(n_q=n_q, n_kv=n_kv, T=T, query_pos=i, topk=topk)
-    mask = np.asarray(ctx.call("select_tokens", s, n_kv_heads=n_kv, query_pos=i, w=0, sinks=0, topk=topk))
-    want = np.zeros((n_kv, T), dtype=bool)
-    want[:, i] = True
+    ctx.note(n_q=n_q, n_kv=n_kv, T=T, query_pos=i, w=w, sinks=sinks, topk=topk)
+    mask = np.asarray(ctx.call("select_tokens", s, n_kv_heads=n_kv, query_pos=i, w=w, sinks=sinks, topk=topk))
+    j = np.arange(T)
+    forced = (j <= i) & ((j < sinks) | (i - j < w))
+    row = forced if forced.any() else j == i
+    want = np.broadcast_to(row, (n_kv, T))
     if mask.shape != want.shape or not np.array_equal(mask, want):
-        ctx.fail("RET-SELECT", "never-empty rule: with w = 0, sinks = 0 and a top-k count of 0 only j = query_pos "
-                 "is selected", f"selected {[np.flatnonzero(r).tolist() for r in mask.reshape(-1, mask.shape[-1])]}")
+        rule = ("sinks ∪ window only (the never-empty rule adds j = query_pos only when both are empty)"
+                if forced.any() else "never-empty rule: with w = 0 and sinks = 0 only j = query_pos")
+        ctx.fail("RET-SELECT", f"a top-k count of 0 (int(topk·(i + 1)) = 0) must select {rule}",
+                 f"expected {np.flatnonzero(row).tolist()} for every KV head, selected "
+                 f"{[np.flatnonzero(r).tolist() for r in mask.reshape(-1, mask.shape[-1])]}")
 
 
 @pytest.mark.clause("RET-SELECT")

@@ -86,7 +86,10 @@ def _saved_probes(cfg, batched, tokens, q_at):
              ("cache1.decode", (q_at(29),), {}), ("cache1.keys_values", (), {})]
     saved_batch = batched[:2] + [("cache0.save", (TMP_PLACEHOLDER + "/cache",), {}),
                                  ("cache0.load", (TMP_PLACEHOLDER + "/cache",), {}), ("cache1.keys_values", (), {})]
-    return [saved, saved_batch]
+    # RET-SELECT with w = 0, sinks and a top-k count of 0 (fixed scores: no random draw shifts)
+    no_window = [("select_tokens", (np.linspace(-1.0, 1.0, 4 * 12).reshape(4, 12),),
+                  dict(n_kv_heads=2, query_pos=9, w=0, sinks=2, topk=0.05))]
+    return [saved, saved_batch, no_window]
 
 
 PROBES = _probes()
