@@ -115,6 +115,9 @@ class Model:
     def adds_own_token(self, k, forced):     # RET-SELECT: never empty, only when nothing else is selected
         return k == 0 and not forced.any()
 
+    def decode_position(self, query_pos, T):  # RET-DECODE: the query sits at query_pos, whatever T is
+        return query_pos
+
     def voters(self, G):                     # RET-SELECT: every head of the group votes (union)
         return range(G)
 
@@ -319,6 +322,7 @@ class Model:
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
                     scale=None, return_mask=False, capacity=None):
         q_post, k_post = _f(q_post), _f(k_post)
+        query_pos = self.decode_position(query_pos, k_post.shape[-2])
         scores = self.token_scores_for(q_post, k_post, codes, _f(C), query_pos=query_pos, b=b, w=w, inv=inv_freqs,
                                        traditional=traditional, scale=scale)
         mask, mult = self.select(scores, n_kv_heads=k_post.shape[-3], query_pos=query_pos, w=w, sinks=sinks,
@@ -735,6 +739,10 @@ DEVIATIONS: tuple[Deviation, ...] = (
          "added although sinks are selected (with w = 0 it belongs in the selection only when sinks and window are "
          "both empty)", _SELECT,
          _model("OwnTokenAtCountZero", "own token at count 0", adds_own_token=lambda self, k, forced: k == 0)),
+    _dev("decode-query-at-last-token", "decode_step puts the query at the last cached token (i = T − 1, from the "
+         "keys' length) instead of query_pos: de-rotation, window, top-k count and the j > i cut-off all at T − 1",
+         {"decode_step"},
+         _model("QueryAtLastToken", "i = T - 1", decode_position=lambda self, query_pos, T: T - 1)),
     _dev("sinks-not-forced", "sinks not forced: the first `sinks` tokens compete as top-k candidates instead of "
          "always being kept", _SELECT,
          _model("SinksNotForced", "no sinks", is_sink=lambda self, j, sinks: np.zeros(np.shape(j), bool))),

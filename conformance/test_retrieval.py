@@ -38,11 +38,14 @@ def test_token_scores_match_oracle(ctx, data):
     n_q, n_kv = data.draw(hh.gqa_heads(), label="heads")
     K = data.draw(st.integers(1, 300), label="K")
     T = data.draw(st.integers(1, 40), label="T")
+    lead = data.draw(st.sampled_from([(), (), (2,), (3, 1)]), label="lead")   # lut (..., n_q, K), codes (..., n_kv, T)
     seed = data.draw(hh.seeds(), label="seed")
     rng = hh.rng_from(seed)
-    codes = rng.integers(0, K, size=(n_kv, T)).astype(oracle.code_dtype(K))
-    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, K=K, T=T)
-    ctx.check("token_scores", hh.normal(rng, (n_q, K)), codes, clause="RET-LUT")
+    codes = rng.integers(0, K, size=lead + (n_kv, T)).astype(oracle.code_dtype(K))
+    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, K=K, T=T, lead=lead)
+    ctx.check("token_scores", hh.normal(rng, lead + (n_q, K)), codes, clause="RET-LUT",
+              what=f"token_scores with lut {lead + (n_q, K)} and codes {codes.shape} (row r of the leading dims "
+                   "gathers its own LUT with its own codes; query head h reads KV head h // G)")
 
 
 #: RET-TOPK (Departures): the fractions whose count in float32 arithmetic (the authors' PyTorch) is off by one from
@@ -239,13 +242,17 @@ def test_retrieval_attention_matches_oracle(ctx, data):
     dv = data.draw(st.sampled_from([d, 4]), label="dv")
     T = data.draw(st.integers(1, 40), label="T")
     scale = data.draw(st.sampled_from([None, 0.3]), label="scale")
+    lead = data.draw(st.sampled_from([(), (), (2,), (3, 1)]), label="lead")   # RET-ATTN's shapes take (...)
     seed = data.draw(hh.seeds(), label="seed")
     rng = hh.rng_from(seed)
-    q, k, v = _attn_inputs(rng, n_q, n_kv, T, d, dv)
-    mask = rng.random((n_kv, T)) < 0.4
-    mask[np.arange(n_kv), rng.integers(0, T, size=n_kv)] = True
-    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, T=T, head_dim=d, dv=dv, scale=scale)
-    ctx.check("retrieval_attention", q, k, v, mask, scale=scale, clause="RET-ATTN")
+    q, k, v = hh.normal(rng, lead + (n_q, d)), hh.normal(rng, lead + (n_kv, T, d)), hh.normal(rng, lead + (n_kv, T, dv))
+    mask = rng.random(lead + (n_kv, T)) < 0.4
+    rows = mask.reshape(-1, T)
+    rows[np.arange(rows.shape[0]), rng.integers(0, T, size=rows.shape[0])] = True   # every KV head selects a token
+    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, T=T, head_dim=d, dv=dv, scale=scale, lead=lead)
+    ctx.check("retrieval_attention", q, k, v, mask, scale=scale, clause="RET-ATTN",
+              what=f"retrieval_attention with q {q.shape}, k {k.shape}, mask {mask.shape} (each row of the leading "
+                   "dims attends over its own selection; query head h over KV head h // G)")
 
 
 #: decode_step's attention scale: None (1/sqrt(d)) and explicit values a model passes (Gemma's
@@ -254,10 +261,13 @@ def test_retrieval_attention_matches_oracle(ctx, data):
 DECODE_SCALES = st.sampled_from([None, 0.3, 1.0])
 
 
-def decode_case(draw, *, max_T=60):
+def decode_case(draw, *, max_T=60, before_end=False):
+    """A decode step over T cached tokens; the query at the last position T - 1, or (before_end) at a drawn
+    i < T - 1 with the tokens after it still in the cache (a query replayed after later tokens were appended)."""
     p = draw(hh.rope_params(max_dim=32, scaled=False), label="rope")
     n_q, n_kv = draw(hh.gqa_heads(), label="heads")
-    T = draw(st.integers(1, max_T), label="T")
+    T = draw(st.integers(2 if before_end else 1, max_T), label="T")
+    i = draw(st.integers(0, T - 2), label="query_pos") if before_end else T - 1
     K = draw(st.sampled_from([1, 4, 16, 300]), label="K")
     w = draw(st.integers(0, 8), label="w")      # w = 0 with sinks = 0: RET-SELECT's never-empty rule
     sinks = draw(st.integers(0, 4), label="sinks")
@@ -271,11 +281,11 @@ def decode_case(draw, *, max_T=60):
     C = hh.normal(rng, (n_kv, K, d))
     codes = rng.integers(0, K, size=(n_kv, T)).astype(oracle.code_dtype(K))
     inv, t = p["inv_freqs"], p["traditional"]
-    q_post = oracle.rope_apply(q_pre, np.full(n_q, T - 1), inv, traditional=t)
+    q_post = oracle.rope_apply(q_pre, np.full(n_q, i), inv, traditional=t)
     k_post = oracle.rope_apply(k_pre, np.arange(T), inv, traditional=t)
-    return dict(q_post=q_post, k_post=k_post, v=v, codes=codes, C=C, query_pos=T - 1, b=b, w=w, sinks=sinks,
+    return dict(q_post=q_post, k_post=k_post, v=v, codes=codes, C=C, query_pos=i, b=b, w=w, sinks=sinks,
                 topk=topk, inv_freqs=inv, traditional=t, scale=scale), dict(seed=seed, n_q=n_q, n_kv=n_kv, T=T, K=K,
-                                                                             head_dim=d)
+                                                                             head_dim=d, query_pos=i)
 
 
 @pytest.mark.clause("RET-DECODE")
@@ -283,6 +293,18 @@ def decode_case(draw, *, max_T=60):
 def test_decode_step_matches_oracle(ctx, data):
     """RET-DECODE, scale=None or explicit (check_decode's expected output uses the scale passed)."""
     inp, notes = decode_case(data.draw)
+    ctx.note(**notes, w=inp["w"], sinks=inp["sinks"], b=inp["b"], topk=inp["topk"], scale=inp["scale"])
+    out, mask = ctx.call("decode_step", **inp, return_mask=True)
+    check_decode(ctx, out, mask, inp, "RET-DECODE")
+
+
+@pytest.mark.clause("RET-DECODE")
+@given(data=st.data())
+def test_decode_step_query_before_the_last_token(ctx, data):
+    """RET-DECODE with query_pos = i < T - 1: the query is de-rotated from i (far_query(q_post, positions=i)), the
+    top-k count is over the i + 1 tokens it sees, tokens j > i are never selected and the window ends at i. A port
+    that takes i = T - 1 from the cache's length is right only when the query is the last token."""
+    inp, notes = decode_case(data.draw, before_end=True)
     ctx.note(**notes, w=inp["w"], sinks=inp["sinks"], b=inp["b"], topk=inp["topk"], scale=inp["scale"])
     out, mask = ctx.call("decode_step", **inp, return_mask=True)
     check_decode(ctx, out, mask, inp, "RET-DECODE")
