@@ -27,7 +27,8 @@ def test_cholesky_matches_oracle(ctx, data):
     ctx.note(head_dim=d, batch=batch)
     L, _ = ctx.check("cholesky", H, clause="EQ-15")
     L = np.asarray(L, np.float64)
-    ctx.assert_equal(np.triu(L, 1) == 0, np.ones_like(L, bool), clause="EQ-15", what="L lower triangular (zeros above)")
+    ctx.assert_equal(np.triu(L, 1) == 0, np.ones_like(L, bool), clause="EQ-15", what="L lower triangular (zeros above the diagonal; an upper factor U with H = UᵀU, such as "
+                          "scipy.linalg.cholesky's default lower=False, is Lᵀ)")
     ctx.assert_equal(np.diagonal(L, axis1=-2, axis2=-1) > 0, np.ones(L.shape[:-1], bool), clause="EQ-15",
                      what="positive diagonal")
     ctx.assert_close(L @ np.swapaxes(L, -1, -2), _f64(ctx, H), clause="EQ-15", what="L Lᵀ vs H",

@@ -55,7 +55,9 @@ def test_kmeanspp_init_matches_oracle(ctx, case, useed):
     u = hh.rng_from(useed).random(K)
     assume(_stable_init(z, K, ctx.cast(u, param=True).astype(np.float64)))
     ctx.note(seed=case["seed"], uniforms_seed=useed, N=case["N"], K=K, d=case["d"])
-    ctx.check("kmeanspp_init", case["z"], K, uniforms=u, clause="EQ-17-INIT")
+    ctx.check("kmeanspp_init", case["z"], K, uniforms=u, clause="EQ-17-INIT",
+              what="k-means++ centres (centre 0 z[⌊u_0 N⌋]; centre t the smallest n with cumsum(D²)[n] > u_t·ΣD², "
+                   "D² the squared distance to the nearest chosen centre)")
 
 
 def _exact_fraction(num, den):
@@ -165,7 +167,8 @@ def test_lloyd_step_matches_oracle(ctx, data):
     z64, C64 = ctx.cast(case["z"]).astype(float), ctx.cast(C).astype(float)
     assume(_unambiguous(z64, C64, ctx.margin("EQ-17-STEP", z64 @ z64.T)))
     ctx.note(seed=case["seed"], N=case["N"], K=case["K"], d=case["d"], C_kind=kind)
-    ctx.check("lloyd_step", case["z"], C, clause="EQ-17-STEP")
+    ctx.check("lloyd_step", case["z"], C, clause="EQ-17-STEP",
+              what="lloyd_step (C_new, codes nearest the input C, objective Σ‖z_n − C[codes_n]‖² under the input C)")
 
 
 @st.composite

@@ -29,7 +29,8 @@ def test_lut_scores_match_oracle(ctx, data):
     seed = data.draw(hh.seeds(), label="seed")
     rng = hh.rng_from(seed)
     ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, head_dim=d, K=K, scale=scale)
-    ctx.check("lut_scores", hh.normal(rng, lead + (n_q, d)), hh.normal(rng, (n_kv, K, d)), scale=scale, clause="RET-LUT")
+    ctx.check("lut_scores", hh.normal(rng, lead + (n_q, d)), hh.normal(rng, (n_kv, K, d)), scale=scale, clause="RET-LUT",
+              what="lut_scores (LUT[h, k] = scale · q_b[h] · C[h // G, k], scale 1/sqrt(d) when None)")
 
 
 @pytest.mark.clause("RET-LUT")
