@@ -732,13 +732,14 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("b-tied-to-w", "far position tied to the window: R_w used where the spec says R_b",
          {"wrope_scores"} | _DECODE,
          _model("BTiedToW", "b = w", far_b=lambda self, b, w=None: b if w is None else w)),
-    _dev("window-inclusive", "window boundary off by one: i - j <= w counted as near/window (spec: i - j < w)",
-         {"wrope_scores"} | _SELECT,
-         _model("WindowInclusive", "<=", is_near=lambda self, d, w: d <= w)),
     _dev("never-empty-beside-sinks", "never-empty rule applied whenever the top-k count is 0: the query's own token "
          "added although sinks are selected (with w = 0 it belongs in the selection only when sinks and window are "
          "both empty)", _SELECT,
          _model("OwnTokenAtCountZero", "own token at count 0", adds_own_token=lambda self, k, forced: k == 0)),
+    # (before window-inclusive: with w = 0 both explain the same examples, and this one is then the likelier)
+    _dev("window-inclusive", "window boundary off by one: i - j <= w counted as near/window (spec: i - j < w)",
+         {"wrope_scores"} | _SELECT,
+         _model("WindowInclusive", "<=", is_near=lambda self, d, w: d <= w)),
     _dev("decode-query-at-last-token", "decode_step puts the query at the last cached token (i = T − 1, from the "
          "keys' length) instead of query_pos: de-rotation, window, top-k count and the j > i cut-off all at T − 1",
          {"decode_step"},
