@@ -112,6 +112,12 @@ class Model:
     def count(self, n, topk, n_candidates):  # RET-TOPK: int() of the fraction
         return _o.topk_count(n, topk, n_candidates)
 
+    def adds_own_token(self, k, forced):     # RET-SELECT: never empty, only when nothing else is selected
+        return k == 0 and not forced.any()
+
+    def decode_position(self, query_pos, T):  # RET-DECODE: the query sits at query_pos, whatever T is
+        return query_pos
+
     def voters(self, G):                     # RET-SELECT: every head of the group votes (union)
         return range(G)
 
@@ -264,7 +270,7 @@ class Model:
         pool = (j <= i) if self.duplicates() else ((j <= i) & ~forced)
         idx = np.flatnonzero(pool)
         k = self.count(self.topk_length(i, T, capacity, int(idx.size)), topk, int(idx.size))
-        if k == 0 and not forced.any():      # RET-SELECT: never empty, the query's own token instead
+        if self.adds_own_token(k, forced):   # RET-SELECT: never empty, the query's own token instead
             forced = forced.copy()
             forced[i] = True
         flat = self.ranking(s).reshape((-1, n_q, T))
@@ -316,6 +322,7 @@ class Model:
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
                     scale=None, return_mask=False, capacity=None):
         q_post, k_post = _f(q_post), _f(k_post)
+        query_pos = self.decode_position(query_pos, k_post.shape[-2])
         scores = self.token_scores_for(q_post, k_post, codes, _f(C), query_pos=query_pos, b=b, w=w, inv=inv_freqs,
                                        traditional=traditional, scale=scale)
         mask, mult = self.select(scores, n_kv_heads=k_post.shape[-3], query_pos=query_pos, w=w, sinks=sinks,
@@ -751,12 +758,21 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("b-tied-to-w", "far position tied to the window: R_w used where the spec says R_b",
          {"wrope_scores"} | _DECODE,
          _model("BTiedToW", "b = w", far_b=lambda self, b, w=None: b if w is None else w)),
+    _dev("never-empty-beside-sinks", "never-empty rule applied whenever the top-k count is 0: the query's own token "
+         "added although sinks are selected (with w = 0 it belongs in the selection only when sinks and window are "
+         "both empty)", _SELECT,
+         _model("OwnTokenAtCountZero", "own token at count 0", adds_own_token=lambda self, k, forced: k == 0)),
+    # (before window-inclusive: with w = 0 both explain the same examples, and this one is then the likelier)
     _dev("window-inclusive", "window boundary off by one: i - j <= w counted as near/window (spec: i - j < w)",
          {"wrope_scores"} | _SELECT,
          _model("WindowInclusive", "<=", is_near=lambda self, d, w: d <= w)),
     _dev("window-symmetric", "window measured as |i - j| < w: a key w or more positions after the query counted far "
          "(EQ-11 has no causal mask: i - j < w, so every later key is near when w > 0)", {"wrope_scores"},
          _model("WindowSymmetric", "|i - j| < w", is_near=lambda self, d, w: np.abs(d) < w)),
+    _dev("decode-query-at-last-token", "decode_step puts the query at the last cached token (i = T − 1, from the "
+         "keys' length) instead of query_pos: de-rotation, window, top-k count and the j > i cut-off all at T − 1",
+         {"decode_step"},
+         _model("QueryAtLastToken", "i = T - 1", decode_position=lambda self, query_pos, T: T - 1)),
     _dev("sinks-not-forced", "sinks not forced: the first `sinks` tokens compete as top-k candidates instead of "
          "always being kept", _SELECT,
          _model("SinksNotForced", "no sinks", is_sink=lambda self, j, sinks: np.zeros(np.shape(j), bool))),

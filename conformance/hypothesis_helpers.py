@@ -253,3 +253,26 @@ def kmeans_points(draw, *, max_N: int = 40, max_dim: int = 8, max_K: int = 6):
     else:
         z = normal(rng, (N, d))
     return {"z": z, "K": K, "N": N, "d": d, "seed": seed, "clustered": clustered}
+
+
+__all__ += ["leading_keys_case"]
+
+
+@st.composite
+def leading_keys_case(draw, *, max_dim: int = 16, max_K: int = 12):
+    """Keys with leading dims, k (*lead, n, d) with lead in {(2,), (3, 1), (2, 2)}, a codebook C (K, d), K >= 2, and
+    an SPD H. Every key sits next to a codeword (``targets``, noise 0.02) and the first key of each row of the
+    leading dims targets a different codeword, so the rows have different codes: a port that codes only the first
+    row, or flattens the leading dims without restoring them, is wrong. (EQ-13, EQ-14, EQ-16: ``k (..., d)``.)"""
+    d = draw(head_dims(max_dim=max_dim), label="head_dim")
+    K = draw(st.integers(2, max_K), label="K")
+    n = draw(st.integers(1, 4), label="n_keys")
+    lead = tuple(draw(st.sampled_from([(2,), (3, 1), (2, 2)]), label="lead"))
+    seed = draw(seeds(), label="seed")
+    rng = rng_from(seed)
+    C = normal(rng, (K, d))
+    targets = rng.integers(K, size=lead + (n,))
+    targets.reshape(-1, n)[:, 0] = np.arange(int(np.prod(lead))) % K
+    k = C[targets] + normal(rng, lead + (n, d), 0.02)
+    H = draw(spd_matrices(d, max_cond=100.0), label="H")
+    return {"d": d, "K": K, "n": n, "lead": lead, "seed": seed, "k": k, "C": C, "H": H, "targets": targets}

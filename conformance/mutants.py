@@ -1008,3 +1008,135 @@ class QueryMomentEpsNormalise(Mutant):
         H = np.swapaxes(Q, -1, -2) @ Q / Q.shape[1]
         rms = np.sqrt(np.mean(H ** 2, axis=(-2, -1), keepdims=True))
         return (H / (rms + 1e-12) + ridge * np.eye(d)).astype(np.float32)
+# ---- gaps of the third audit, area B (EQ-13..18, retrieval)
+# Bugs the suite of commit 3ce9183 passed at the ci profile (an audit of 20 mutants in EQ-13..18 and RET-*, 14
+# survivors); the eight below stand for them: leading dims, the k-means stop rule and returned codes, the int top-k
+# count 1, the never-empty rule beside sinks, a query before the last token, an empty selection, batched attention.
+@_gap
+class AssignZLeadingRowZero(Mutant):
+    expected_clause = "EQ-16"
+    bug = "assign_z with keys (..., T, d) (several heads or sequences) codes the first row and broadcasts its codes"
+    gap = "test_eq15_eq16_eq18.py::test_assign_z_leading_dims"
+
+    def assign_z(self, k, Cz, L):
+        k = np.asarray(k)
+        if k.ndim <= 2:
+            return self._ref.assign_z(k, Cz, L)
+        first = np.asarray(self._ref.assign_z(k.reshape((-1,) + k.shape[-2:])[0], Cz, L))
+        return np.broadcast_to(first, k.shape[:-1]).copy()
+
+
+def _kmeans_fit(z, K, seed, max_iter, tol, stop, codes_of_last_step=False):
+    """EQ-17-FIT on the oracle's seeding and Lloyd steps with another stop test ``stop(hist, C_prev, C, tol)``;
+    codes_of_last_step: return the last step's codes (nearest its input centres) instead of nearest(z, C_s)."""
+    z = _np(z)
+    C = _o.kmeanspp_init(z, K, np.random.default_rng(seed).random(K))
+    hist = []
+    for _ in range(max_iter):
+        C_prev = C
+        C, codes, f = _o.lloyd_step(z, C_prev)
+        hist.append(float(f))
+        if stop(hist, C_prev, C, tol):
+            break
+    if not codes_of_last_step:
+        codes = np.argmin(np.sum((z[:, None, :] - C[None]) ** 2, axis=-1), axis=1)
+    return C.astype(np.float32), codes.astype(np.int64), np.array(hist, np.float32)
+
+
+def _relative_stop(hist, C_prev, C, tol):
+    return hist[-1] == 0 or (len(hist) >= 2 and hist[-2] - hist[-1] < tol * hist[-2])
+
+
+@_gap
+class KmeansCentroidShiftStop(Mutant):
+    expected_clause = "EQ-17-FIT"
+    bug = ("k-means stops when the centroids move less than tol (‖C_s − C_(s−1)‖_F < tol, the authors' absolute test) "
+           "instead of on the relative objective decrease")
+    gap = "test_eq17_kmeans.py::test_kmeans_fit"
+
+    def kmeans(self, z, K, *, seed, max_iter=300, tol=1e-4):
+        return _kmeans_fit(z, K, seed, max_iter, tol, lambda h, P, C, t: float(np.linalg.norm(C - P)) < t)
+
+
+@_gap
+class KmeansCodesOfLastStep(Mutant):
+    expected_clause = "EQ-17-FIT"
+    bug = "kmeans returns the last Lloyd step's codes (nearest to C_(s−1)) instead of nearest(z, C_s) of the returned C"
+    gap = "test_eq17_kmeans.py::test_kmeans_fit"
+
+    def kmeans(self, z, K, *, seed, max_iter=300, tol=1e-4):
+        return _kmeans_fit(z, K, seed, max_iter, tol, _relative_stop, codes_of_last_step=True)
+
+
+@_gap
+class TopkOneIsAFraction(Mutant):
+    expected_clause = "RET-TOPK"
+    bug = "topk_count tests `topk <= 1` for a fraction: the int 1 (one token) is read as 1.0, all T tokens"
+    gap = "test_retrieval.py::test_topk_count_matches_oracle"
+
+    def topk_count(self, T, topk, n_candidates=None):
+        if not isinstance(topk, bool) and topk <= 1:
+            topk = float(topk)
+        return self._ref.topk_count(T, topk) if n_candidates is None else self._ref.topk_count(T, topk, n_candidates)
+
+
+@_gap
+class OwnTokenAtCountZero(Mutant):
+    expected_clause = "RET-SELECT"
+    bug = ("the never-empty rule fires whenever the top-k count is 0: with w = 0 the query's own token is added "
+           "although sinks are selected")
+    gap = "test_retrieval.py::test_select_tokens_is_never_empty"
+    expected_cause = "never-empty-beside-sinks"
+
+    def select_tokens(self, scores, *, n_kv_heads, query_pos, w, sinks, topk):
+        mask = np.array(self._ref.select_tokens(scores, n_kv_heads=n_kv_heads, query_pos=query_pos, w=w, sinks=sinks,
+                                                topk=topk))
+        i = int(query_pos)
+        n_cand = sum(1 for j in range(i + 1) if j >= sinks and i - j >= w)
+        if _o.topk_count(i + 1, topk, n_cand) == 0:
+            mask[..., i] = True
+        return mask
+
+
+@_gap
+class DecodeQueryAtLastToken(Mutant):
+    expected_clause = "RET-DECODE"
+    bug = "decode_step takes the query position from the keys' length (i = T − 1) and ignores query_pos"
+    gap = "test_retrieval.py::test_decode_step_query_before_the_last_token"
+    expected_cause = "decode-query-at-last-token"
+
+    def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, **kw):
+        return self._ref.decode_step(q_post, k_post, v, codes, C, query_pos=np.asarray(k_post).shape[-2] - 1, **kw)
+
+
+@_gap
+class AttentionEmptyRowAverages(Mutant):
+    expected_clause = "INPUT-ERRORS"
+    bug = ("retrieval_attention fills unselected logits with -1e9: a KV head that selects nothing averages all its "
+           "values instead of raising ValueError")
+    gap = "test_input_errors_b.py::test_retrieval_and_codebook_inputs_are_checked"
+
+    def retrieval_attention(self, q, k, v, mask, *, scale=None):
+        m = np.asarray(mask)
+        if m.dtype != np.bool_ or m.any(axis=-1).all():
+            return self._ref.retrieval_attention(q, k, v, mask, scale=scale)
+        q, k, v = _np(q), _np(k), _np(v)
+        G = q.shape[-2] // k.shape[-3]
+        kk, vv, mm = np.repeat(k, G, axis=-3), np.repeat(v, G, axis=-3), np.repeat(m, G, axis=-2)
+        s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        logits = np.where(mm, s * np.einsum("...hd,...htd->...ht", q, kk), -1e9)
+        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        return np.einsum("...ht,...htd->...hd", p / p.sum(axis=-1, keepdims=True), vv).astype(np.float32)
+
+
+@_gap
+class AttentionBatchRowZeroMask(Mutant):
+    expected_clause = "RET-ATTN"
+    bug = "retrieval_attention with leading dims applies the first row's mask to every row (mask[0] broadcast)"
+    gap = "test_retrieval.py::test_retrieval_attention_matches_oracle"
+
+    def retrieval_attention(self, q, k, v, mask, *, scale=None):
+        m = np.asarray(mask)
+        if m.ndim > 2:
+            m = np.broadcast_to(m.reshape((-1,) + m.shape[-2:])[0], m.shape).copy()
+        return self._ref.retrieval_attention(q, k, v, m, scale=scale)

@@ -27,7 +27,8 @@ def test_cholesky_matches_oracle(ctx, data):
     ctx.note(head_dim=d, batch=batch)
     L, _ = ctx.check("cholesky", H, clause="EQ-15")
     L = np.asarray(L, np.float64)
-    ctx.assert_equal(np.triu(L, 1) == 0, np.ones_like(L, bool), clause="EQ-15", what="L lower triangular (zeros above)")
+    ctx.assert_equal(np.triu(L, 1) == 0, np.ones_like(L, bool), clause="EQ-15", what="L lower triangular (zeros above the diagonal; an upper factor U with H = UᵀU, such as "
+                          "scipy.linalg.cholesky's default lower=False, is Lᵀ)")
     ctx.assert_equal(np.diagonal(L, axis1=-2, axis2=-1) > 0, np.ones(L.shape[:-1], bool), clause="EQ-15",
                      what="positive diagonal")
     ctx.assert_close(L @ np.swapaxes(L, -1, -2), _f64(ctx, H), clause="EQ-15", what="L Lᵀ vs H",
@@ -149,3 +150,19 @@ def test_back_transform_per_head_L(ctx, case):
     L = _per_head_L(ctx, case["H"])
     ctx.check("back_transform", case["Cz"], L, clause="EQ-18",
               what=f"back_transform with a per-head L stack {L.shape} and Cz {case['Cz'].shape} (head h must use L[h])")
+
+
+@pytest.mark.clause("EQ-16", needs=("assign_z",))
+@given(case=hh.leading_keys_case())
+def test_assign_z_leading_dims(ctx, case):
+    """assign_z(k, Cz, L) with k (*lead, n, d) (the keys of several heads or sequences at once): codes (*lead, n),
+    every row of the leading dims coded on its own. The keys are placed so that k L sits next to Cz[targets]."""
+    L = _L(ctx, case["H"])
+    Cz = case["C"]
+    k = oracle.back_transform(case["k"], L)       # k L = the drawn points next to Cz[targets]
+    ctx.note(seed=case["seed"], head_dim=case["d"], K=case["K"], lead=case["lead"], n=case["n"])
+    codes = ctx.call("assign_z", k, Cz, L)
+    dist = oracle.assign_z_distances(_f64(ctx, k), _f64(ctx, Cz), _f64(ctx, L))
+    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-16", dist)), clause="EQ-16",
+                          what=f"assign_z(k, Cz, L) with k {k.shape} (codes of shape {k.shape[:-1]}: each row of "
+                               "the leading dims codes its own keys)", values=dist)

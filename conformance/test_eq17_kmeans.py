@@ -55,7 +55,9 @@ def test_kmeanspp_init_matches_oracle(ctx, case, useed):
     u = hh.rng_from(useed).random(K)
     assume(_stable_init(z, K, ctx.cast(u, param=True).astype(np.float64)))
     ctx.note(seed=case["seed"], uniforms_seed=useed, N=case["N"], K=K, d=case["d"])
-    ctx.check("kmeanspp_init", case["z"], K, uniforms=u, clause="EQ-17-INIT")
+    ctx.check("kmeanspp_init", case["z"], K, uniforms=u, clause="EQ-17-INIT",
+              what="k-means++ centres (centre 0 z[⌊u_0 N⌋]; centre t the smallest n with cumsum(D²)[n] > u_t·ΣD², "
+                   "D² the squared distance to the nearest chosen centre)")
 
 
 def _exact_fraction(num, den):
@@ -165,7 +167,8 @@ def test_lloyd_step_matches_oracle(ctx, data):
     z64, C64 = ctx.cast(case["z"]).astype(float), ctx.cast(C).astype(float)
     assume(_unambiguous(z64, C64, ctx.margin("EQ-17-STEP", z64 @ z64.T)))
     ctx.note(seed=case["seed"], N=case["N"], K=case["K"], d=case["d"], C_kind=kind)
-    ctx.check("lloyd_step", case["z"], C, clause="EQ-17-STEP")
+    ctx.check("lloyd_step", case["z"], C, clause="EQ-17-STEP",
+              what="lloyd_step (C_new, codes nearest the input C, objective Σ‖z_n − C[codes_n]‖² under the input C)")
 
 
 @st.composite
@@ -254,23 +257,76 @@ def test_lloyd_objective_never_increases(ctx, data):
     ctx.assert_equal(counts.shape, (case["K"],), clause="EQ-17-STEP", what="codes index the K input centres")
 
 
+#: EQ-17-FIT's defaults, which a call that leaves max_iter or tol out must use.
+_FIT_DEFAULTS = {"max_iter": 300, "tol": 1e-4}
+#: Three distinct points and K = 3: k-means++ picks all of them, so f_1 = 0 and the fit stops after step 1.
+_ZERO_FIT_EXAMPLE = {"z": np.array([[0.0, 0.0], [3.0, 1.0], [-2.0, 4.0]]), "K": 3, "N": 3, "d": 2, "seed": 5,
+                     "clustered": False}
+#: Seeded from default_rng(139), one Lloyd step moves 2 of these 8 points to another centre: with max_iter = 1 the
+#: returned codes (nearest to C_1) differ from step 1's codes (nearest to C_0).
+_ONE_STEP_EXAMPLE = {"z": np.array([[-1.5, -3.0], [-0.5, -2.0], [1.0, 2.0], [-0.5, -4.5], [-3.5, 0.0], [3.0, 0.0],
+                                    [0.0, 3.0], [1.0, 1.0]]), "K": 3, "N": 8, "d": 2, "seed": 139, "clustered": False}
+
+
+def _stop_rule_violation(hist, max_iter, tol):
+    """Where a fit's own history breaks EQ-17-FIT's stop rule (stop after step s when s = max_iter, f_s = 0, or
+    s >= 2 and f_(s-1) - f_s < tol · f_(s-1)), or None. The decreases are judged with a slack of a few units of
+    the history's own precision: the port decided on values that round to the ones it returned."""
+    eps = np.finfo(hist.dtype if hist.dtype.kind == "f" else np.float64).eps
+    h = hist.astype(np.float64)
+    n = len(h)
+    if n == 0 or n > max_iter:
+        return f"{n} steps recorded, expected between 1 and max_iter={max_iter}"
+    zeros = np.flatnonzero(h[:-1] == 0)
+    if zeros.size:
+        return f"f_{zeros[0] + 1} = 0 but the fit went on to step {n} (a zero objective stops it)"
+    for s in range(2, n + 1):                       # 1-based step s, decrease f_(s-1) - f_s
+        prev, cur = h[s - 2], h[s - 1]
+        dec, need, slack = prev - cur, tol * prev, 4 * eps * abs(prev)
+        if s < n and dec < need - slack:
+            return (f"after step {s} the relative decrease (f_{s - 1} - f_{s}) / f_{s - 1} = {dec / prev:.6g} is "
+                    f"below tol = {tol:g}, so the fit must stop there; it went on to step {n}")
+        if s == n and n < max_iter and cur != 0 and dec >= need + slack:
+            return (f"it stopped after step {n} (< max_iter={max_iter}, f_{n} = {cur:.6g} != 0) although the relative "
+                    f"decrease (f_{n - 1} - f_{n}) / f_{n - 1} = {dec / prev:.6g} is not below tol = {tol:g} (the stop "
+                    "test is relative: f_(s-1) - f_s < tol · f_(s-1), not an absolute or a centroid-shift test)")
+    if n == 1 and n < max_iter and h[0] != 0:
+        return f"it stopped after step 1 (< max_iter={max_iter}) with f_1 = {h[0]:.6g} != 0 (step 1 has no decrease to test)"
+    return None
+
+
 @pytest.mark.clause("EQ-17-FIT")
-@given(case=hh.kmeans_points(max_N=30))
-def test_kmeans_fit(ctx, case):
-    """Stream-independent: history never increases; codes are nearest rows of the returned C."""
-    z = ctx.cast(case["z"]).astype(np.float64)
+@given(case=hh.kmeans_points(max_N=30), tol=st.sampled_from([None, 0.02, 0.2]), max_iter=st.sampled_from([None, 1, 2, 5]),
+       scale=st.sampled_from([1.0, 0.01, 30.0]))
+@example(case=_ZERO_FIT_EXAMPLE, tol=None, max_iter=None, scale=1.0)
+@example(case=_ONE_STEP_EXAMPLE, tol=None, max_iter=1, scale=1.0)
+def test_kmeans_fit(ctx, case, tol, max_iter, scale):
+    """Stream-independent: history never increases; codes are nearest rows of the returned C; the history obeys
+    the stop rule (relative decrease below tol, a zero objective, or max_iter), at data scales 0.01 to 30 (a
+    relative test does not depend on the scale of z) and with the defaults max_iter = 300, tol = 1e-4 when left out."""
+    z_in = case["z"] * scale
+    z = ctx.cast(z_in).astype(np.float64)
     K = case["K"]
     assume(_distinct(z, K))
     seed = case["seed"] % 1000
-    ctx.note(seed=case["seed"], fit_seed=seed, N=case["N"], K=K, d=case["d"], clustered=case["clustered"])
-    C, codes, hist = ctx.call("kmeans", case["z"], K, seed=seed)
-    hist = np.asarray(hist, np.float64)
+    kw = {k: v for k, v in (("max_iter", max_iter), ("tol", tol)) if v is not None}
+    ctx.note(seed=case["seed"], fit_seed=seed, N=case["N"], K=K, d=case["d"], clustered=case["clustered"], scale=scale,
+             **kw)
+    C, codes, hist = ctx.call("kmeans", z_in, K, seed=seed, **kw)
+    hist = np.asarray(hist)
+    h = hist.astype(np.float64)
     r, a = ctx.tol("EQ-17-FIT")
-    if np.any(np.diff(hist) > r * np.abs(hist[:-1]) + a):
-        ctx.fail("EQ-17-FIT", "objective history increases", f"history {hist.tolist()}")
+    if np.any(np.diff(h) > r * np.abs(h[:-1]) + a):
+        ctx.fail("EQ-17-FIT", "objective history increases", f"history {h.tolist()}")
     dist = np.sum((z[:, None, :] - np.asarray(C, np.float64)[None, :, :]) ** 2, axis=-1)
     ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-17-FIT", dist)), clause="EQ-17-FIT",
-                          what="kmeans codes vs nearest row of the returned C", values=dist)
+                          what="kmeans codes vs nearest row of the returned C (codes are nearest(z, C_s) of the "
+                               "returned centres, not the last step's codes under its input centres)", values=dist)
+    rule = {**_FIT_DEFAULTS, **kw}
+    why = _stop_rule_violation(hist, rule["max_iter"], rule["tol"])
+    if why is not None:
+        ctx.fail("EQ-17-FIT", f"the fit's history breaks the stop rule (max_iter={rule['max_iter']}, tol={rule['tol']:g}"
+                 f"{', the defaults' if not kw else ''})", f"{why}; history {h.tolist()}")
 
 
 @pytest.mark.clause("EQ-17-FIT", requires=EXPLICIT)

@@ -29,7 +29,8 @@ def test_lut_scores_match_oracle(ctx, data):
     seed = data.draw(hh.seeds(), label="seed")
     rng = hh.rng_from(seed)
     ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, head_dim=d, K=K, scale=scale)
-    ctx.check("lut_scores", hh.normal(rng, lead + (n_q, d)), hh.normal(rng, (n_kv, K, d)), scale=scale, clause="RET-LUT")
+    ctx.check("lut_scores", hh.normal(rng, lead + (n_q, d)), hh.normal(rng, (n_kv, K, d)), scale=scale, clause="RET-LUT",
+              what="lut_scores (LUT[h, k] = scale · q_b[h] · C[h // G, k], scale 1/sqrt(d) when None)")
 
 
 @pytest.mark.clause("RET-LUT")
@@ -38,11 +39,14 @@ def test_token_scores_match_oracle(ctx, data):
     n_q, n_kv = data.draw(hh.gqa_heads(), label="heads")
     K = data.draw(st.integers(1, 300), label="K")
     T = data.draw(st.integers(1, 40), label="T")
+    lead = data.draw(st.sampled_from([(), (), (2,), (3, 1)]), label="lead")   # lut (..., n_q, K), codes (..., n_kv, T)
     seed = data.draw(hh.seeds(), label="seed")
     rng = hh.rng_from(seed)
-    codes = rng.integers(0, K, size=(n_kv, T)).astype(oracle.code_dtype(K))
-    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, K=K, T=T)
-    ctx.check("token_scores", hh.normal(rng, (n_q, K)), codes, clause="RET-LUT")
+    codes = rng.integers(0, K, size=lead + (n_kv, T)).astype(oracle.code_dtype(K))
+    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, K=K, T=T, lead=lead)
+    ctx.check("token_scores", hh.normal(rng, lead + (n_q, K)), codes, clause="RET-LUT",
+              what=f"token_scores with lut {lead + (n_q, K)} and codes {codes.shape} (row r of the leading dims "
+                   "gathers its own LUT with its own codes; query head h reads KV head h // G)")
 
 
 #: RET-TOPK (Departures): the fractions whose count in float32 arithmetic (the authors' PyTorch) is off by one from
@@ -75,10 +79,13 @@ def _topk_count_cases(draw):
 @example(case=(100, 0.29, None))      # RET-TOPK: int(0.29 · 100) = 28; a float32 product gives 29
 @example(case=(900, 0.13, None))      # 117; float32 gives 116
 @example(case=(90, 0.7, 90))          # int(62.99999999999999) = 62; float32 or rounding gives 63
+@example(case=(37, 1, None))          # the int 1 is a count of one token, not the fraction 1.0 (all 37)
+@example(case=(37, 1, 20))
 def test_topk_count_matches_oracle(ctx, case):
     """float topk -> int(topk * T) (int() of Python's float64 product); int topk -> topk; capped at n_candidates."""
     T, topk, n_candidates = case
-    assume(isinstance(topk, int) or "fraction" in capabilities.current().topk)   # explicit examples are fractions
+    forms = capabilities.current().topk
+    assume(("count" if isinstance(topk, int) else "fraction") in forms)   # explicit examples: either form
     ctx.note(T=T, topk=topk, n_candidates=n_candidates)
     args = (T, topk) if n_candidates is None else (T, topk, n_candidates)
     got = ctx.call("topk_count", *args)
@@ -161,19 +168,28 @@ def test_select_tokens_is_an_allowed_selection(ctx, case):
 @pytest.mark.clause("RET-SELECT", requires={"topk": "fraction"})   # only a fraction can count 0 tokens
 @given(data=st.data())
 def test_select_tokens_is_never_empty(ctx, data):
-    """No sinks, no window, a top-k count of 0: exactly the query's own token is selected (never-empty rule)."""
+    """A top-k count of 0: exactly the sinks and the window are selected, and when both are empty (w = 0,
+    sinks = 0) exactly the query's own token (never-empty rule). The own token is added only then: with sinks
+    and w = 0 it is not selected unless it is a sink."""
     n_q, n_kv = data.draw(hh.gqa_heads(), label="heads")
     T = data.draw(st.integers(1, 40), label="T")
     i = data.draw(st.integers(0, T - 1), label="query_pos")
+    w = data.draw(st.sampled_from([0, 0, 1, 3]), label="w")
+    sinks = data.draw(st.sampled_from([0, 0, 1, 3]), label="sinks")
     topk = data.draw(st.floats(1e-3, 0.999 / (i + 1)), label="topk")   # int(topk * (i + 1)) == 0
     s = hh.normal(hh.rng_from(data.draw(hh.seeds(), label="seed")), (n_q, T))
-    ctx.note(n_q=n_q, n_kv=n_kv, T=T, query_pos=i, topk=topk)
-    mask = np.asarray(ctx.call("select_tokens", s, n_kv_heads=n_kv, query_pos=i, w=0, sinks=0, topk=topk))
-    want = np.zeros((n_kv, T), dtype=bool)
-    want[:, i] = True
+    ctx.note(n_q=n_q, n_kv=n_kv, T=T, query_pos=i, w=w, sinks=sinks, topk=topk)
+    mask = np.asarray(ctx.call("select_tokens", s, n_kv_heads=n_kv, query_pos=i, w=w, sinks=sinks, topk=topk))
+    j = np.arange(T)
+    forced = (j <= i) & ((j < sinks) | (i - j < w))
+    row = forced if forced.any() else j == i
+    want = np.broadcast_to(row, (n_kv, T))
     if mask.shape != want.shape or not np.array_equal(mask, want):
-        ctx.fail("RET-SELECT", "never-empty rule: with w = 0, sinks = 0 and a top-k count of 0 only j = query_pos "
-                 "is selected", f"selected {[np.flatnonzero(r).tolist() for r in mask.reshape(-1, mask.shape[-1])]}")
+        rule = ("sinks ∪ window only (the never-empty rule adds j = query_pos only when both are empty)"
+                if forced.any() else "never-empty rule: with w = 0 and sinks = 0 only j = query_pos")
+        ctx.fail("RET-SELECT", f"a top-k count of 0 (int(topk·(i + 1)) = 0) must select {rule}",
+                 f"expected {np.flatnonzero(row).tolist()} for every KV head, selected "
+                 f"{[np.flatnonzero(r).tolist() for r in mask.reshape(-1, mask.shape[-1])]}")
 
 
 @pytest.mark.clause("RET-SELECT")
@@ -227,13 +243,17 @@ def test_retrieval_attention_matches_oracle(ctx, data):
     dv = data.draw(st.sampled_from([d, 4]), label="dv")
     T = data.draw(st.integers(1, 40), label="T")
     scale = data.draw(st.sampled_from([None, 0.3]), label="scale")
+    lead = data.draw(st.sampled_from([(), (), (2,), (3, 1)]), label="lead")   # RET-ATTN's shapes take (...)
     seed = data.draw(hh.seeds(), label="seed")
     rng = hh.rng_from(seed)
-    q, k, v = _attn_inputs(rng, n_q, n_kv, T, d, dv)
-    mask = rng.random((n_kv, T)) < 0.4
-    mask[np.arange(n_kv), rng.integers(0, T, size=n_kv)] = True
-    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, T=T, head_dim=d, dv=dv, scale=scale)
-    ctx.check("retrieval_attention", q, k, v, mask, scale=scale, clause="RET-ATTN")
+    q, k, v = hh.normal(rng, lead + (n_q, d)), hh.normal(rng, lead + (n_kv, T, d)), hh.normal(rng, lead + (n_kv, T, dv))
+    mask = rng.random(lead + (n_kv, T)) < 0.4
+    rows = mask.reshape(-1, T)
+    rows[np.arange(rows.shape[0]), rng.integers(0, T, size=rows.shape[0])] = True   # every KV head selects a token
+    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, T=T, head_dim=d, dv=dv, scale=scale, lead=lead)
+    ctx.check("retrieval_attention", q, k, v, mask, scale=scale, clause="RET-ATTN",
+              what=f"retrieval_attention with q {q.shape}, k {k.shape}, mask {mask.shape} (each row of the leading "
+                   "dims attends over its own selection; query head h over KV head h // G)")
 
 
 #: decode_step's attention scale: None (1/sqrt(d)) and explicit values a model passes (Gemma's
@@ -242,10 +262,13 @@ def test_retrieval_attention_matches_oracle(ctx, data):
 DECODE_SCALES = st.sampled_from([None, 0.3, 1.0])
 
 
-def decode_case(draw, *, max_T=60):
+def decode_case(draw, *, max_T=60, before_end=False):
+    """A decode step over T cached tokens; the query at the last position T - 1, or (before_end) at a drawn
+    i < T - 1 with the tokens after it still in the cache (a query replayed after later tokens were appended)."""
     p = draw(hh.rope_params(max_dim=32, scaled=False), label="rope")
     n_q, n_kv = draw(hh.gqa_heads(), label="heads")
-    T = draw(st.integers(1, max_T), label="T")
+    T = draw(st.integers(2 if before_end else 1, max_T), label="T")
+    i = draw(st.integers(0, T - 2), label="query_pos") if before_end else T - 1
     K = draw(st.sampled_from([1, 4, 16, 300]), label="K")
     w = draw(st.integers(0, 8), label="w")      # w = 0 with sinks = 0: RET-SELECT's never-empty rule
     sinks = draw(st.integers(0, 4), label="sinks")
@@ -259,11 +282,11 @@ def decode_case(draw, *, max_T=60):
     C = hh.normal(rng, (n_kv, K, d))
     codes = rng.integers(0, K, size=(n_kv, T)).astype(oracle.code_dtype(K))
     inv, t = p["inv_freqs"], p["traditional"]
-    q_post = oracle.rope_apply(q_pre, np.full(n_q, T - 1), inv, traditional=t)
+    q_post = oracle.rope_apply(q_pre, np.full(n_q, i), inv, traditional=t)
     k_post = oracle.rope_apply(k_pre, np.arange(T), inv, traditional=t)
-    return dict(q_post=q_post, k_post=k_post, v=v, codes=codes, C=C, query_pos=T - 1, b=b, w=w, sinks=sinks,
+    return dict(q_post=q_post, k_post=k_post, v=v, codes=codes, C=C, query_pos=i, b=b, w=w, sinks=sinks,
                 topk=topk, inv_freqs=inv, traditional=t, scale=scale), dict(seed=seed, n_q=n_q, n_kv=n_kv, T=T, K=K,
-                                                                             head_dim=d)
+                                                                             head_dim=d, query_pos=i)
 
 
 @pytest.mark.clause("RET-DECODE")
@@ -271,6 +294,18 @@ def decode_case(draw, *, max_T=60):
 def test_decode_step_matches_oracle(ctx, data):
     """RET-DECODE, scale=None or explicit (check_decode's expected output uses the scale passed)."""
     inp, notes = decode_case(data.draw)
+    ctx.note(**notes, w=inp["w"], sinks=inp["sinks"], b=inp["b"], topk=inp["topk"], scale=inp["scale"])
+    out, mask = ctx.call("decode_step", **inp, return_mask=True)
+    check_decode(ctx, out, mask, inp, "RET-DECODE")
+
+
+@pytest.mark.clause("RET-DECODE")
+@given(data=st.data())
+def test_decode_step_query_before_the_last_token(ctx, data):
+    """RET-DECODE with query_pos = i < T - 1: the query is de-rotated from i (far_query(q_post, positions=i)), the
+    top-k count is over the i + 1 tokens it sees, tokens j > i are never selected and the window ends at i. A port
+    that takes i = T - 1 from the cache's length is right only when the query is the last token."""
+    inp, notes = decode_case(data.draw, before_end=True)
     ctx.note(**notes, w=inp["w"], sinks=inp["sinks"], b=inp["b"], topk=inp["topk"], scale=inp["scale"])
     out, mask = ctx.call("decode_step", **inp, return_mask=True)
     check_decode(ctx, out, mask, inp, "RET-DECODE")

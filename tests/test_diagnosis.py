@@ -100,7 +100,19 @@ def _saved_probes(cfg, batched, tokens, q_at):
              ("cache1.decode", (q_at(29),), {}), ("cache1.keys_values", (), {})]
     saved_batch = batched[:2] + [("cache0.save", (TMP_PLACEHOLDER + "/cache",), {}),
                                  ("cache0.load", (TMP_PLACEHOLDER + "/cache",), {}), ("cache1.keys_values", (), {})]
-    return [saved, saved_batch]
+    # RET-SELECT with w = 0, sinks and a top-k count of 0 (fixed scores: no random draw shifts)
+    no_window = [("select_tokens", (np.linspace(-1.0, 1.0, 4 * 12).reshape(4, 12),),
+                  dict(n_kv_heads=2, query_pos=9, w=0, sinks=2, topk=0.05))]
+    # RET-DECODE with the query before the last cached token (own generator: no draw of the probes above shifts)
+    r = np.random.default_rng(17)
+    d, n_q, n_kv, K, T, i = 8, 4, 2, 16, 40, 25
+    inv = oracle.rope_inv_freqs(d, 10000.0)
+    k_post = oracle.rope_apply(r.standard_normal((n_kv, T, d)), np.arange(T), inv, traditional=True)
+    q_post = oracle.rope_apply(r.standard_normal((n_q, d)), np.full(n_q, i), inv, traditional=True)
+    early_query = [("decode_step", (q_post, k_post, r.standard_normal((n_kv, T, d)),
+                                    r.integers(0, K, (n_kv, T)).astype(np.uint8), cfg["C"]),
+                    dict(query_pos=i, b=64, w=3, sinks=2, topk=0.2, return_mask=True, inv_freqs=inv, traditional=True))]
+    return [saved, saved_batch, no_window, early_query]
 
 
 PROBES = _probes()
