@@ -420,6 +420,12 @@ def test_save_load_roundtrip(ctx, setup, T, n, dropped):
         path = os.path.join(tmp, "cache")
         c.save(path)
         r = CacheCalls(ctx, config).load(path)
+    if int(r.offset) != T:
+        why = {0: " (loaded by a fresh, empty cache: an offset taken from the cache that loads, not from the file?)",
+               T + dropped: f" (the {dropped} token(s) trimmed before the save came back: saved up to a high-water mark "
+                            "that trim does not lower?)"}.get(int(r.offset), "")
+        ctx.fail("CACHE-SAVE", f"loaded offset {r.offset}, expected {T}: the saved cache held {T} tokens"
+                 + (f" after trim({dropped})" if dropped else "") + why)
     _same_state(ctx, _state(r), _state(c), "CACHE-SAVE", "loaded vs saved")
     _, k2, v2 = _tokens(ctx, config, rng, T, n)
     q = ctx.cast(hh.normal(rng, (config["n_q_heads"], config["head_dim"])))
