@@ -951,6 +951,7 @@ class DecodeSkipsPendingCodes(Mutant):
     expected_clause = "CACHE-DECODE"
     bug = "lazily coded tokens are coded by codes() but not by decode, which scores them as code 0"
     gap = "test_cache.py::test_decode_matches_oracle"
+    expected_cause = "decode-scores-uncoded"
 
     def make_cache(self, config):
         return _DecodeSkipsPendingCache(config)
@@ -984,6 +985,7 @@ class StaleQueryAngle(Mutant):
     expected_clause = "CACHE-DECODE"
     bug = "the far query's de-rotation angle cached at the first decode: every later decode scores as at that position"
     gap = "test_cache.py::test_generation_steps"
+    expected_cause = "query-angle-stale"
 
     def make_cache(self, config):
         return _StaleQueryAngleCache(config)
