@@ -464,10 +464,11 @@ class ModelCache(OracleCache):
         return other
 
     def save(self, path):
-        self._saved = self.copy()
+        # kept on the model, by path: any cache of the replay may load it (a fresh one, as CACHE-SAVE does)
+        self.m.__dict__.setdefault("_saved_states", {})[str(path)] = self.copy()
 
     def load(self, path):
-        return self._saved.copy()
+        return self.m.__dict__.get("_saved_states", {})[str(path)].copy()
 
 
 def _stack_rows(rows, masks):
@@ -529,6 +530,55 @@ class _LoadRowZero(ModelCache):
             setattr(other, a, np.broadcast_to(x[:1], x.shape).copy())
         other._allowed = None
         return other
+
+
+class _DecodeUncoded(ModelCache):
+    """Codes are assigned lazily, by codes() only: a decode scores the tokens written since codes() was last
+    read as code 0 (a loaded cache starts fully coded)."""
+
+    def __init__(self, config, model):
+        super().__init__(config, model)
+        self._read = 0
+
+    def codes(self):
+        self._read = self.offset
+        return super().codes()
+
+    def trim(self, n):
+        n = super().trim(n)
+        self._read = min(self._read, self.offset)
+        return n
+
+    def copy(self):
+        other = super().copy()
+        other._read = other.offset
+        return other
+
+    def decode(self, q_post):
+        held = self._c
+        self._c = held.copy()
+        self._c[..., self._read:] = 0
+        try:
+            return super().decode(q_post)
+        finally:
+            self._c = held
+
+
+class _StaleQueryAngle(ModelCache):
+    """The far query's de-rotation is kept from the cache's first decode (position i0): every later decode
+    scores with q_post R_(-i0) R_b; attention uses the query as given."""
+
+    first = None
+
+    def decode(self, q_post):
+        if self.first is None:
+            self.first = self.offset - 1
+        m, first, scores = self.m, self.first, self.m.token_scores_for
+        m.token_scores_for = lambda *a, query_pos, **kw: scores(*a, query_pos=first, **kw)
+        try:
+            return super().decode(q_post)
+        finally:
+            del m.token_scores_for
 
 
 def _load_resets(param, value):
@@ -895,6 +945,12 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("trim-keeps-position-counter", "trim() does not roll back the position counter used to de-rotate (and so "
          "code) later tokens", {"make_cache"},
          _cache_model("TrimKeepsCounter", "counter not rolled back", trim_counter=False)),
+    _dev("decode-scores-uncoded", "codes assigned lazily by codes() only: the decode scores tokens not yet coded "
+         "(written since codes() was last read) as code 0", {"make_cache"},
+         _cache_model("DecodeUncoded", "uncoded tokens as code 0", base=_DecodeUncoded)),
+    _dev("query-angle-stale", "the far query's de-rotation kept from the cache's first decode: later decodes score "
+         "the query as if it sat at that first position (q_post R_(-i0) R_b, i0 fixed)", {"make_cache"},
+         _cache_model("StaleQueryAngle", "angle of the first decode", base=_StaleQueryAngle)),
 )
 
 _BY_ID = {d.id: d for d in DEVIATIONS}

@@ -1008,6 +1008,8 @@ class QueryMomentEpsNormalise(Mutant):
         H = np.swapaxes(Q, -1, -2) @ Q / Q.shape[1]
         rms = np.sqrt(np.mean(H ** 2, axis=(-2, -1), keepdims=True))
         return (H / (rms + 1e-12) + ridge * np.eye(d)).astype(np.float32)
+
+
 # ---- gaps of the third audit, area B (EQ-13..18, retrieval)
 # Bugs the suite of commit 3ce9183 passed at the ci profile (an audit of 20 mutants in EQ-13..18 and RET-*, 14
 # survivors); the eight below stand for them: leading dims, the k-means stop rule and returned codes, the int top-k
@@ -1140,3 +1142,199 @@ class AttentionBatchRowZeroMask(Mutant):
         if m.ndim > 2:
             m = np.broadcast_to(m.reshape((-1,) + m.shape[-2:])[0], m.shape).copy()
         return self._ref.retrieval_attention(q, k, v, m, scale=scale)
+
+
+# ---- gaps of the third audit, area C (cache)
+# Cache bugs the suite of commit 3ce9183 passed at the ci profile (seeds 0 and 1): positions() never checked
+# against the rule, codes' dtype checked only before the buffers grow, decodes checked only after codes() had
+# coded every token and only once per cache, load always called on the cache that saved, batch = 1 and batched
+# prefill inputs never drawn.
+class _PositionsOneBasedCache(_SameClassOnLoad, ReferenceCache):
+    """positions() counts from 1 (a cache_position + 1 style slip); keys, codes and decode are right."""
+
+    def positions(self):
+        return np.arange(1, self.offset + 1)
+
+
+@_gap
+class PositionsOneBased(Mutant):
+    expected_clause = "CACHE-TRIM"
+    bug = "positions() reports 1 .. offset instead of 0 .. offset - 1 (both caches of the trim test agreed)"
+    gap = "test_cache.py::test_trim_rollback"
+
+    def make_cache(self, config):
+        return _PositionsOneBasedCache(config)
+
+
+class _CodesWidenOnGrowthCache(_SameClassOnLoad, ReferenceCache):
+    """Codes right while the first 256-token buffer lasts; a grown buffer is concatenated with int32 zeros, so
+    every code comes back as int32 once more than 256 tokens are cached."""
+
+    def codes(self):
+        c = super().codes()
+        return c.astype(np.int32) if self.offset > 256 else c
+
+
+@_gap
+class CodesWidenOnGrowth(Mutant):
+    expected_clause = "CODES-DTYPE"
+    bug = "codes buffer grown past 256 tokens with int32 zeros (concatenate promotes): codes int32 from token 257 on"
+    gap = "test_cache.py::test_cache_codes_dtype"
+
+    def make_cache(self, config):
+        return _CodesWidenOnGrowthCache(config)
+
+
+class _DecodeSkipsPendingCache(_SameClassOnLoad, ReferenceCache):
+    """Codes are assigned lazily; codes() assigns the pending ones, the decode does not and scores pending
+    tokens with the buffer's zeros (code 0)."""
+
+    def decode(self, q_post):
+        c = self._c
+        c._assign_pending = lambda upto: None   # instance attribute: shadows the method for this decode only
+        try:
+            return super().decode(q_post)
+        finally:
+            del c._assign_pending
+
+
+@_gap
+class DecodeSkipsPendingCodes(Mutant):
+    expected_clause = "CACHE-DECODE"
+    bug = "lazily coded tokens are coded by codes() but not by decode, which scores them as code 0"
+    gap = "test_cache.py::test_decode_matches_oracle"
+    expected_cause = "decode-scores-uncoded"
+
+    def make_cache(self, config):
+        return _DecodeSkipsPendingCache(config)
+
+
+class _StaleQueryAngleCache(_SameClassOnLoad, ReferenceCache):
+    """The far query's de-rotation angle is cached at the first decode and reused: later decodes score with
+    q_post R_(-i0) R_b, i0 the first decode's position; attention uses the true query."""
+
+    first = None
+
+    def decode(self, q_post):
+        i = self.offset - 1
+        if self.first is None:
+            self.first = i
+        if i == self.first:
+            return super().decode(q_post)
+        cfg = self.config
+        inv = _np(cfg["inv_freqs"])
+        # q R_(i - i0): the reference de-rotates it by i, which leaves q_post R_(-i0)
+        moved = _o.rope_apply(_np(q_post), np.full(np.shape(q_post)[:-1], i - self.first), inv,
+                              traditional=cfg["traditional"])
+        _, mask = super().decode(moved.astype(np.asarray(q_post).dtype))
+        k, v = self.keys_values()
+        out = _o.retrieval_attention(_np(q_post), _np(k), _np(v), np.asarray(mask), scale=cfg.get("scale"))
+        return out.astype(np.float32), mask
+
+
+@_gap
+class StaleQueryAngle(Mutant):
+    expected_clause = "CACHE-DECODE"
+    bug = "the far query's de-rotation angle cached at the first decode: every later decode scores as at that position"
+    gap = "test_cache.py::test_generation_steps"
+    expected_cause = "query-angle-stale"
+
+    def make_cache(self, config):
+        return _StaleQueryAngleCache(config)
+
+
+class _LoadKeepsCallerOffsetCache(ReferenceCache):
+    """load() reads keys, values and codes from the file but keeps the offset of the cache it is called on
+    (new = copy(self); new.keys = file keys ...): right only when that cache is the one that saved."""
+
+    def load(self, path):
+        r = super().load(path)
+        r._c.offset = min(self.offset, r._c.offset)
+        r._c._coded = min(r._c._coded, r._c.offset)
+        return type(self)(self.config, r._c)
+
+
+@_gap
+class LoadKeepsCallerOffset(Mutant):
+    expected_clause = "CACHE-SAVE"
+    bug = "load() takes the offset of the cache it is called on, not the file's: a fresh cache loads an empty cache"
+    gap = "test_cache.py::test_save_load_roundtrip"
+
+    def make_cache(self, config):
+        return _LoadKeepsCallerOffsetCache(config)
+
+
+class _SaveTrimmedTailCache(ReferenceCache):
+    """save() writes every token up to the most ever written (a high-water mark trim does not lower), so the
+    tokens of a rejected draft come back on load."""
+
+    def __init__(self, config, _cache=None):
+        super().__init__(config, _cache)
+        self.written = self.offset
+
+    def append(self, keys_post, values):
+        super().append(keys_post, values)
+        self.written = max(self.written, self.offset)
+
+    def save(self, path):
+        kept = self._c.offset
+        self._c.offset = max(self.written, kept)   # the buffers still hold the trimmed tokens
+        try:
+            super().save(path)
+        finally:
+            self._c.trim(self._c.offset - kept)
+
+
+@_gap
+class SaveKeepsTrimmedTokens(Mutant):
+    expected_clause = "CACHE-SAVE"
+    bug = "save() writes tokens up to a high-water mark trim does not lower: trimmed draft tokens come back on load"
+    gap = "test_cache.py::test_save_load_roundtrip"
+
+    def make_cache(self, config):
+        return _SaveTrimmedTailCache(config)
+
+
+class _BatchOneSqueezedCache(_SameClassOnLoad, ReferenceCache):
+    """A batched cache drops the leading batch axis when batch = 1 (np.squeeze on every result)."""
+
+    def _squeeze(self, x):
+        return x[0] if self.batched and np.shape(x)[:1] == (1,) else x
+
+    def _out(self, x):
+        return self._squeeze(super()._out(x))
+
+    def codes(self):
+        return self._squeeze(super().codes())
+
+    def keys_values(self):
+        return tuple(self._squeeze(a) for a in super().keys_values())
+
+
+@_gap
+class BatchOneSqueezed(Mutant):
+    expected_clause = "CACHE-BATCH"
+    bug = "a batched cache with batch = 1 returns its arrays without the leading batch axis (squeezed)"
+    gap = "test_cache.py::test_batched_decode_rows"
+
+    def make_cache(self, config):
+        return _BatchOneSqueezedCache(config)
+
+
+@_gap
+class PrefillPositiveAxes(Mutant):
+    expected_clause = "PREFILL"
+    bug = "prefill_attention reads Tq, Tk as q.shape[1], k.shape[1] (written for 3-D inputs): with a leading batch " \
+          "axis the causal mask is aligned by n_kv - n_q instead of Tk - Tq"
+    gap = "test_prefill_codes.py::test_prefill_attention_matches_oracle"
+
+    def prefill_attention(self, q, k, v, *, scale=None):
+        q, k, v = _np(q), _np(k), _np(v)
+        shift = k.shape[1] - q.shape[1]   # Tk - Tq for (n, T, d) inputs only
+        Tq, Tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+        G = q.shape[-3] // k.shape[-3]
+        k, v = np.repeat(k, G, axis=-3), np.repeat(v, G, axis=-3)
+        s = q @ np.swapaxes(k, -1, -2) * (scale or d ** -0.5)
+        s = np.where(np.arange(Tk)[None, :] <= np.arange(Tq)[:, None] + shift, s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return (p / p.sum(-1, keepdims=True) @ v).astype(np.float32)

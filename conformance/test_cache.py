@@ -115,6 +115,20 @@ def _state(c):
 def _same_state(ctx, a, b, clause, what):
     for key in ("offset", "positions", "codes", "keys", "values"):
         ctx.assert_equal(a[key], b[key], clause=clause, what=f"{what}: {key}")
+    # equal code values in another integer type (int64 from a file, say) are not the same state (CODES-DTYPE)
+    if a["codes"].dtype != b["codes"].dtype:
+        ctx.fail(clause, f"{what}: codes have dtype {a['codes'].dtype}, expected {b['codes'].dtype} (equal values, "
+                 "another integer type)")
+
+
+def _check_positions(ctx, c, clause, what):
+    """positions() is the absolute position of each cached token: token j sits at j (Conventions), so after any
+    writes and trims it is 0 .. offset - 1 (exactly; the protocol fixes no dtype)."""
+    got, n = np.asarray(c.positions()), int(c.offset)
+    if got.dtype.kind not in "iuf" or got.shape != (n,) or not np.array_equal(got, np.arange(n)):
+        shown = got if got.size <= 8 else f"{got[:4]} ... {got[-2:]}"
+        ctx.fail(clause, f"{what}: positions() must be 0 .. offset - 1 = 0 .. {n - 1} (token j sits at position j)",
+                 f"got {shown}, dtype {got.dtype}, shape {got.shape}")
 
 
 #: What the caller does between writing B and trimming it. Speculative decoding decodes every draft token
@@ -164,6 +178,7 @@ def test_trim_rollback(ctx, setup, nA, nB, nC, before):
     if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or int(n) != nB:
         ctx.fail("CACHE-TRIM", f"trim({nB}) returned {n!r}, expected {nB}" + (" (trim(0) is a no-op)" if nB == 0 else ""))
     c2.append(kA, vA)
+    _check_positions(ctx, c1, "CACHE-TRIM", f"after {how}")
     _same_state(ctx, _state(c1), _state(c2), "CACHE-TRIM", f"{how} vs A")
     o1, m1 = c1.decode(qA)
     o2, m2 = c2.decode(qA)
@@ -171,6 +186,7 @@ def test_trim_rollback(ctx, setup, nA, nB, nC, before):
     ctx.assert_close(o1, o2, clause="CACHE-TRIM", what=f"decode output after {how} vs after A", rtol=0, atol=0)
     c1.append(kC, vC)
     c2.append(kC, vC)
+    _check_positions(ctx, c1, "CACHE-TRIM", f"after {how}, C ({nC} tokens)")
     _same_state(ctx, _state(c1), _state(c2), "CACHE-TRIM", f"{how}, C vs A, C")
     o1, m1 = c1.decode(q)
     o2, m2 = c2.decode(q)
@@ -225,6 +241,7 @@ def test_chunked_prefill(ctx, setup, T, cuts):
         ok, ov = orc.keys_values()
         ctx.assert_close(kk, ok, clause="CACHE-CHUNK", what=f"cached keys after chunk [{a}, {b}) vs the oracle cache")
         ctx.assert_close(vv, ov, clause="CACHE-CHUNK", what=f"cached values after chunk [{a}, {b}) vs the oracle cache")
+        _check_positions(ctx, chunked, "CACHE-CHUNK", f"after chunk [{a}, {b})")
         if b - a > 1:
             out = chunked.prefill(q[:, a:b])
             ctx.assert_close(out, orc.prefill(q[:, a:b]), clause="CACHE-CHUNK",
@@ -250,6 +267,9 @@ def test_decode_matches_oracle(ctx, setup, T):
                                         traditional=config["traditional"]))
     c = CacheCalls(ctx, config)
     c.append(k, v)
+    # decode before codes(): a port that codes tokens lazily must code them for the decode too, not only when
+    # codes() asks (codes are fixed when written, so codes() read afterwards are the ones the decode scored)
+    out, mask = c.decode(q_post)
     codes = np.asarray(c.codes())
     cfg = c.cfg
     for g in range(config["n_kv_heads"]):
@@ -257,7 +277,6 @@ def test_decode_matches_oracle(ctx, setup, T):
                                          cfg["L"][g].astype(np.float64))
         ctx.assert_in_allowed(codes[g], oracle.argmin_allowed(dist, ctx.margin("CACHE-FAR-CODES", dist)),
                               clause="CACHE-FAR-CODES", what=f"codes of KV head {g}", values=dist)
-    out, mask = c.decode(q_post)
     inp = dict(q_post=q_post, k_post=k, v=v, codes=codes, C=cfg["C"], query_pos=T - 1, b=config["b"],
                w=config["w"], sinks=config["sinks"], topk=config["topk"], inv_freqs=config["inv_freqs"],
                traditional=config["traditional"], scale=config["scale"])
@@ -374,26 +393,39 @@ def _as_if_parameters(ctx, cfg, state, q, out, mask):
 
 
 @pytest.mark.clause("CACHE-SAVE", requires={"cache_ops": ("save_load", "decode")})
-@given(setup=cache_setup(), T=st.integers(0, 12), n=st.integers(1, 4))
+@given(setup=cache_setup(), T=st.integers(0, 12), n=st.integers(1, 4), dropped=st.integers(0, 3))
 # a cache longer than a default window (64) with w, b, sinks and topk all unlike the usual defaults: a parameter
 # that load() leaves at its default changes the decode, and _as_if_parameters can name its value
-@example(setup=None, T=80, n=2)
-def test_save_load_roundtrip(ctx, setup, T, n):
-    """save then load: the same state (keys, values, codes, positions, offset), after a further append too, and
-    the same decode (selection and output) as the original: the parameters (w, b, sinks, topk, scale) are part of
-    the saved state, and a decode that differs names the parameter that would explain it."""
+@example(setup=None, T=80, n=2, dropped=0)
+def test_save_load_roundtrip(ctx, setup, T, n, dropped):
+    """save then load: the same state (keys, values, codes with their dtype, positions, offset), after a further
+    append too, and the same decode (selection and output) as the original: the parameters (w, b, sinks, topk,
+    scale) are part of the saved state, and a decode that differs names the parameter that would explain it.
+    The saved cache may have had `dropped` tokens trimmed (speculative decoding before the save: the file holds
+    the T kept tokens, not the trimmed ones); the file is loaded by a fresh cache of the same config, as a new
+    process would (nothing comes from the cache that loads it but the codebook)."""
     if setup is None:
         setup = _fixed_setup(d=8, n_q=2, n_kv=1, K=8, w=3, b=64, sinks=1, topk=hh.topk_for_count(2, T + n), scale=0.3)
     config, rng, notes = setup
-    ctx.note(**notes, T=T, n_after=n)
+    if not capabilities.current().has("cache_ops", "trim"):
+        dropped = 0
+    ctx.note(**notes, T=T, n_after=n, dropped_before_save=dropped)
     c = CacheCalls(ctx, config)
-    if T:
-        _, k, v = _tokens(ctx, config, rng, 0, T)
+    if T + dropped:
+        _, k, v = _tokens(ctx, config, rng, 0, T + dropped)
         c.append(k, v)
+    if dropped:
+        c.trim(dropped)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "cache")
         c.save(path)
-        r = c.load(path)
+        r = CacheCalls(ctx, config).load(path)
+    if int(r.offset) != T:
+        why = {0: " (loaded by a fresh, empty cache: an offset taken from the cache that loads, not from the file?)",
+               T + dropped: f" (the {dropped} token(s) trimmed before the save came back: saved up to a high-water mark "
+                            "that trim does not lower?)"}.get(int(r.offset), "")
+        ctx.fail("CACHE-SAVE", f"loaded offset {r.offset}, expected {T}: the saved cache held {T} tokens"
+                 + (f" after trim({dropped})" if dropped else "") + why)
     _same_state(ctx, _state(r), _state(c), "CACHE-SAVE", "loaded vs saved")
     _, k2, v2 = _tokens(ctx, config, rng, T, n)
     q = ctx.cast(hh.normal(rng, (config["n_q_heads"], config["head_dim"])))
@@ -448,27 +480,38 @@ def test_save_load_batched_rows(ctx, setup, B, T, n):
 
 
 @pytest.mark.clause("CODES-DTYPE", needs=("make_cache",))
-@given(setup=cache_setup(Ks=(2, 8, 255, 256, 257, 300)), T=st.integers(1, 6))
-@example(setup=None, T=3)   # K = 256, the largest uint8 codebook, in every run
-def test_cache_codes_dtype(ctx, setup, T):
-    """The cache stores codes as code_dtype(K): uint8 up to K = 256 inclusive (255, 256, 257 drawn: the edge)."""
+@given(setup=cache_setup(Ks=(2, 8, 255, 256, 257, 300)), T=st.one_of(st.integers(1, 6), st.integers(257, 300)),
+       first=st.floats(0.0, 1.0))
+@example(setup=None, T=3, first=0.5)     # K = 256, the largest uint8 codebook, in every run
+@example(setup=None, T=300, first=0.8)   # the second append grows the buffer past 256 tokens, in every run
+def test_cache_codes_dtype(ctx, setup, T, first):
+    """The cache stores codes as code_dtype(K): uint8 up to K = 256 inclusive (255, 256, 257 drawn: the edge),
+    after every append, including one that grows the buffers past 256 tokens (T up to 300 in two appends: a
+    grown code buffer must not take another integer type)."""
     if setup is None:
-        setup = _fixed_setup(d=4, n_q=2, n_kv=1, K=256, w=2, sinks=1, topk=hh.topk_for_count(1, 3))
+        setup = _fixed_setup(d=4, n_q=2, n_kv=1, K=256, w=2, sinks=1, topk=hh.topk_for_count(1, T))
     config, rng, notes = setup
-    ctx.note(**notes, T=T)
+    n1 = max(1, int(first * T))
+    ctx.note(**notes, T=T, first_append=n1)
     c = CacheCalls(ctx, config)
-    _, k, v = _tokens(ctx, config, rng, 0, T)
-    c.append(k, v)
-    got = np.asarray(c.codes()).dtype
-    want = oracle.code_dtype(config["Cz"].shape[1])
-    if got != want:
-        ctx.fail("CODES-DTYPE", f"cache codes have dtype {got}, expected {want} for K={config['Cz'].shape[1]}")
+    K = config["Cz"].shape[1]
+    want = oracle.code_dtype(K)
+    for a, b in ((0, n1), (n1, T)):
+        if b > a:
+            _, k, v = _tokens(ctx, config, rng, a, b - a)
+            c.append(k, v)
+            got = np.asarray(c.codes()).dtype
+            if got != want:
+                ctx.fail("CODES-DTYPE", f"cache codes have dtype {got} after writing tokens [{a}, {b}) ({b} cached), "
+                         f"expected {want} for K={K}")
 
 
 def _check_cache_decode(ctx, c, orc, q, clause, what=""):
     """Port decode vs the oracle cache: codes in the allowed sets, the selection in the (must, may) sets scored
     with the port's own codes, the output exact attention over the port's selection. Margins follow
-    ctx.max_position; the output tolerance does not (attention itself rotates nothing)."""
+    ctx.max_position; the output tolerance does not (attention itself rotates nothing). The decode runs before
+    codes() is read, so a decode that scores tokens the port has not coded yet is seen."""
+    out, mask = c.decode(q)
     codes = np.asarray(c.codes())
     n = codes.shape[-1]
     tail = slice(max(0, n - 64), n)   # the last tokens, plus a sample of the rest: O(T) but not O(T K d)
@@ -478,7 +521,6 @@ def _check_cache_decode(ctx, c, orc, q, clause, what=""):
     for g in range(codes.shape[-2]):
         ctx.assert_in_allowed(codes[..., g, idx], allowed[..., g, :, :], clause="CACHE-FAR-CODES",
                               what=f"{what}codes of KV head {g} at positions {idx[0]}..{idx[-1]}", values=dist[..., g, :, :])
-    out, mask = c.decode(q)
     must, may = orc.decode_allowed(q, codes, lambda s: ctx.margin(clause, s))
     cfg = orc.config
     ctx.assert_mask_allowed(np.asarray(mask), must, may, clause=clause, what=f"{what}selected set (oracle cache, port's codes)",
@@ -491,9 +533,9 @@ def _check_cache_decode(ctx, c, orc, q, clause, what=""):
 
 
 @pytest.mark.clause("CACHE-BATCH", requires={"cache_ops": ("batch", "decode")})
-@given(setup=cache_setup(), B=st.integers(2, 3), T=st.integers(1, 24), split=st.integers(0, 24))
+@given(setup=cache_setup(), B=st.integers(1, 3), T=st.integers(1, 24), split=st.integers(0, 24))
 def test_batched_decode_rows(ctx, setup, B, T, split):
-    """Row r of a batched cache (config["batch"] = B) equals a batch-of-one cache fed only row r: each chunk's
+    """Row r of a batched cache (config["batch"] = B, B = 1 included: its arrays keep the leading axis) equals a batch-of-one cache fed only row r: each chunk's
     prefill output (chunks [0, split) and [split, T), CACHE-CHUNK), codes, selection and output; and the batched
     decode is an allowed decode of the oracle cache, row by row."""
     config, rng, notes = setup
@@ -534,6 +576,30 @@ def test_batched_decode_rows(ctx, setup, B, T, split):
     orc.append(k, v)
     must, may = orc.decode_allowed(q, codes, lambda s: ctx.margin("CACHE-BATCH", s))
     ctx.assert_mask_allowed(mask, must, may, clause="CACHE-BATCH", what="batched selection (oracle cache, per row)")
+
+
+@pytest.mark.clause("CACHE-DECODE", "CACHE-FAR-CODES", requires={"cache_ops": "decode"})
+@given(setup=cache_setup(), T=st.integers(1, 16), steps=st.integers(2, 4))
+def test_generation_steps(ctx, setup, T, steps):
+    """Generation as mlx-lm runs it: a prompt of T tokens written at once and decoded, then `steps` tokens
+    written one at a time, each decoded right after it is written. Every decode is an allowed decode of the
+    oracle cache at its own position (query at offset - 1): the far query de-rotated from the current position,
+    not from an earlier decode's; every token written so far coded, before codes() is ever read."""
+    config, rng, notes = setup
+    ctx.note(**notes, T=T, steps=steps)
+    c = CacheCalls(ctx, config)
+    orc = _oracle_cache(c)
+    _, k, v = _tokens(ctx, config, rng, 0, T)
+    c.append(k, v)
+    orc.append(k, v)
+    for s in range(steps + 1):
+        if s:
+            _, k, v = _tokens(ctx, config, rng, orc.offset, 1)
+            c.append(k, v)
+            orc.append(k, v)
+        pos = orc.offset - 1
+        _check_cache_decode(ctx, c, orc, _query(ctx, config, rng, pos), "CACHE-DECODE",
+                            what=f"decode {s} of the generation (prompt {T} tokens, query at position {pos}): ")
 
 
 #: Starting positions of the long-context test: past one 256-token buffer, past float16's exact integers

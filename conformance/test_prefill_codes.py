@@ -12,6 +12,9 @@ from a2ats_spec import oracle
 @pytest.mark.clause("PREFILL")
 @given(data=st.data())
 def test_prefill_attention_matches_oracle(ctx, data):
+    """Dense causal attention with the queries end-aligned to the keys (query t at Tk - Tq + t), against the
+    oracle; inputs with and without leading batch axes (q (..., n_q, Tq, d)): Tq and Tk are the axes -2 of q and
+    k whatever leads them, and each batch row attends only its own keys."""
     n_q, n_kv = data.draw(hh.gqa_heads(), label="heads")
     d = data.draw(hh.head_dims(max_dim=32), label="head_dim")
     Tk = data.draw(st.integers(1, 24), label="Tk")
@@ -19,10 +22,11 @@ def test_prefill_attention_matches_oracle(ctx, data):
     dv = data.draw(st.sampled_from([d, 6]), label="dv")
     scale = data.draw(st.sampled_from([None, 0.25]), label="scale")
     seed = data.draw(hh.seeds(), label="seed")
+    lead = data.draw(st.sampled_from([(), (), (2,), (2, 1)]), label="lead")   # batch axes before the heads
     rng = hh.rng_from(seed)
-    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, Tq=Tq, Tk=Tk, head_dim=d, dv=dv, scale=scale)
-    ctx.check("prefill_attention", hh.normal(rng, (n_q, Tq, d)), hh.normal(rng, (n_kv, Tk, d)),
-              hh.normal(rng, (n_kv, Tk, dv)), scale=scale, clause="PREFILL")
+    ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, Tq=Tq, Tk=Tk, head_dim=d, dv=dv, scale=scale, lead=lead)
+    ctx.check("prefill_attention", hh.normal(rng, lead + (n_q, Tq, d)), hh.normal(rng, lead + (n_kv, Tk, d)),
+              hh.normal(rng, lead + (n_kv, Tk, dv)), scale=scale, clause="PREFILL")
 
 
 @pytest.mark.clause("CODES-DTYPE")

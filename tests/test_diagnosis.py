@@ -75,7 +75,7 @@ def _probes():
         [("rope_inv_freqs", (64, 10000.0, {"type": "linear", "factor": 4.0}), {})],
         [("select_tokens", (rng.standard_normal((n_q, 40)),), dict(n_kv_heads=n_kv, query_pos=30, w=3, sinks=2, topk=0.2))],
         [decode_call(40)], [decode_call(300)], [decode_call(40, scale=0.3)], cache_calls, long_cache, batched,
-    ] + _saved_probes(cfg, batched, tokens, q_at) + _far_position_probes()
+    ] + _saved_probes(cfg, batched, tokens, q_at) + _far_position_probes() + _generation_probes(cfg, tokens, q_at)
 
 
 def _far_position_probes():
@@ -115,6 +115,20 @@ def _saved_probes(cfg, batched, tokens, q_at):
     return [saved, saved_batch, no_window, early_query]
 
 
+def _generation_probes(cfg, tokens, q_at):
+    """Generation (CACHE-DECODE): decodes at three positions, each before codes() is read. Drawn last, after
+    every other probe's random data."""
+    calls = [("make_cache", (cfg,), {}), ("cache0.append", tokens(0, 20), {}), ("cache0.decode", (q_at(19),), {})]
+    for p in (20, 21):
+        calls += [("cache0.append", tokens(p, 1), {}), ("cache0.decode", (q_at(p),), {})]
+    # loaded by a fresh cache (CACHE-SAVE): the saved state, not the loading cache's
+    saved = [("make_cache", (cfg,), {}), ("cache0.append", tokens(0, 30), {}), ("cache0.codes", (), {}),
+             ("cache0.save", (TMP_PLACEHOLDER + "/cache",), {}), ("make_cache", (cfg,), {}),
+             ("cache1.load", (TMP_PLACEHOLDER + "/cache",), {}), ("cache2.decode", (q_at(29),), {}),
+             ("cache2.keys_values", (), {})]
+    return [calls + [("cache0.codes", (), {})], saved]
+
+
 PROBES = _probes()
 FAITHFUL = [replay(Model(), calls) for calls in PROBES]
 
@@ -134,7 +148,7 @@ def test_faithful_model_is_the_oracle():
         ref = OracleCache(calls[0][1][0])
         outs = replay(Model(), calls)
         for i, (name, args, kw) in enumerate(calls[1:], start=1):
-            if name.endswith((".save", ".load")):   # the loaded cache1 is cache0's state: compare against ref
+            if name == "make_cache" or name.endswith((".save", ".load")):   # a loaded cache is the saved state: ref
                 continue
             got = getattr(ref, name.split(".", 1)[1])(*args, **kw)
             if name.endswith((".codes", ".decode", ".keys_values", ".trim")):
