@@ -43,7 +43,8 @@ def clause_table(tests: dict, clause_ids: list[str]) -> dict:
     because the run stopped (Ctrl-C, or a crash the run could not continue after); it is "xfail" if its only
     failures are known deviations; "not-implemented" if every test citing it was skipped for a
     missing callable; "not-applicable" if every test citing it needs a capability the IUT does not
-    declare; "untested" if no test citing it ran (e.g. deselected by --clauses) or no example ran.
+    declare; "untested" if no test citing it ran (e.g. deselected by --clauses) or no example ran. A "pass"
+    whose clause has tests that were not-implemented or not-applicable carries ``not_run`` and a "partial:" reason.
     """
     def outcome_for(r, cid):
         # A ConformanceFailure names the clause it checked: the test fails that clause only.
@@ -76,6 +77,12 @@ def clause_table(tests: dict, clause_ids: list[str]) -> dict:
             entry["reason"] = next(r.get("reason", "") for _, r in recs if r["outcome"] == entry["status"])
         elif any(o in ("passed", "xpass", "passed-other") for o in outcomes) and examples > 0:
             entry["status"] = "pass"
+            # a pass earned by part of the clause says so: the rest needs a callable or capability it lacks
+            not_run = [r for _, r in recs if r["outcome"] in ("not-implemented", "not-applicable")]
+            if not_run:
+                entry["not_run"] = len(not_run)
+                entry["reason"] = (f"partial: {len(not_run)} of {len(recs)} tests not run "
+                                   f"({not_run[0].get('reason', '') or not_run[0]['outcome']})")
         else:
             entry["status"] = "untested"
         entry["counterexample"] = entry.get("counterexample")

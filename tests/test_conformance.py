@@ -27,6 +27,7 @@ def test_reference_conforms(tmp_path):
     assert rep["summary"]["fail"] == 0 and rep["wall_s"] > 0
     assert rep["run"]["complete"] and not rep["run"]["crashes"] and not rep["run"]["error"]
     assert all(v["examples"] > 0 for v in rep["clauses"].values())
+    assert not [c for c, v in rep["clauses"].items() if v.get("not_run")]   # every test of every clause ran
     assert "| EQ-14 | pass |" in md
 
 

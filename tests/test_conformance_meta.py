@@ -206,6 +206,9 @@ def test_missing_callable_is_not_implemented_only(tmp_path, monkeypatch):
     assert code == 0 and st_ == {"RET-TOPK": "pass", "EQ-11": "not-implemented", "INPUT-ERRORS": "pass"}, st_
     ran = {k for k, v in rep["tests"].items() if "INPUT-ERRORS" in v["clauses"] and v["outcome"] == "passed"}
     assert ran and all("topk" in k for k in ran), ran
+    ie = rep["clauses"]["INPUT-ERRORS"]   # a pass earned by a part of the clause says so
+    assert ie["not_run"] >= 1 and ie["reason"].startswith("partial:"), ie
+    assert "not_run" not in rep["clauses"]["RET-TOPK"], rep["clauses"]["RET-TOPK"]
     assert "wrope_scores" in rep["implementation"]["missing"]
 
 
