@@ -420,13 +420,14 @@ def test_save_load_roundtrip(ctx, setup, T, n, dropped):
         path = os.path.join(tmp, "cache")
         c.save(path)
         r = CacheCalls(ctx, config).load(path)
-    if int(r.offset) != T:
+    loaded = _state(r)   # read through logged calls first: the replay then shows where the loaded cache diverges
+    if loaded["offset"] != T:
         why = {0: " (loaded by a fresh, empty cache: an offset taken from the cache that loads, not from the file?)",
                T + dropped: f" (the {dropped} token(s) trimmed before the save came back: saved up to a high-water mark "
-                            "that trim does not lower?)"}.get(int(r.offset), "")
-        ctx.fail("CACHE-SAVE", f"loaded offset {r.offset}, expected {T}: the saved cache held {T} tokens"
+                            "that trim does not lower?)"}.get(loaded["offset"], "")
+        ctx.fail("CACHE-SAVE", f"loaded offset {loaded['offset']}, expected {T}: the saved cache held {T} tokens"
                  + (f" after trim({dropped})" if dropped else "") + why)
-    _same_state(ctx, _state(r), _state(c), "CACHE-SAVE", "loaded vs saved")
+    _same_state(ctx, loaded, _state(c), "CACHE-SAVE", "loaded vs saved")
     _, k2, v2 = _tokens(ctx, config, rng, T, n)
     q = ctx.cast(hh.normal(rng, (config["n_q_heads"], config["head_dim"])))
     c.append(k2, v2)
