@@ -6,7 +6,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from a2ats_conformance import capabilities
@@ -651,7 +651,9 @@ _HOST_CANDIDATES = 32_768   # past any threshold the reference has used (32,768 
 
 
 @pytest.mark.clause("CACHE-DECODE", requires={"cache_ops": "decode"})
-@settings(max_examples=1)
+# no shrinking: each step of it re-runs a 32K-token cache, and a failing port ran this test past the example
+# timeout (a "timeout" verdict instead of the failure); the unshrunk example is reported as drawn
+@settings(max_examples=1, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(setup=cache_setup(head_dim=st.sampled_from([4, 8]), Ks=(1024, 256), heads=st.sampled_from([(4, 1), (2, 1), (4, 2)]),
                          topk=hh.topk_values(fractions=(0.05, 0.1), counts=(2000, 4000))),
        extra=st.integers(0, 2000))
