@@ -26,12 +26,8 @@ def _base_inv_freqs(d: int, base: float) -> mx.array:
     return mx.exp(mx.arange(half, dtype=mx.float32) * (-math.log(base) / half))
 
 
-def _llama3_inv_freqs(d: int, base: float, cfg: dict) -> mx.array:
+def _llama3_inv_freqs(d: int, base: float, factor: float, low: float, high: float, old_len: float) -> mx.array:
     # Mirrors mlx_lm.models.rope_utils.Llama3RoPE, which hands mx.fast.rope periods (angle = pos / period).
-    factor = cfg["factor"]
-    low = cfg.get("low_freq_factor", 1.0)
-    high = cfg.get("high_freq_factor", 4.0)
-    old_len = cfg.get("original_max_position_embeddings", 8192)
     periods = base ** (mx.arange(0, d, 2) / d)
     wavelens = 2 * mx.pi * periods
     periods = mx.where(wavelens > old_len / low, periods * factor, periods)
@@ -69,7 +65,7 @@ def rope_inv_freqs(head_dim: int, base: float, scaling: dict | None = None) -> m
         raise ValueError(f"scaling: llama3 needs 0 < low_freq_factor < high_freq_factor and "
                          f"original_max_position_embeddings > 0; got low_freq_factor={low!r}, "
                          f"high_freq_factor={high!r}, original_max_position_embeddings={old_len!r}")
-    return _llama3_inv_freqs(d, base, scaling)
+    return _llama3_inv_freqs(d, base, factor, low, high, old_len)
 
 
 def _scaling_number(scaling: dict, key: str, default):

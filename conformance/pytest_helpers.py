@@ -194,15 +194,25 @@ class Context:
             self.assert_close(actual, expected, clause=clause, what=what or name)
         return actual, expected
 
-    def expect_value_error(self, name: str, *args, clause: str = "INPUT-ERRORS", what: str, **kwargs) -> str:
-        """The IUT must reject this input with ValueError; returns the message."""
+    def expect_value_error(self, name: str, *args, clause: str = "INPUT-ERRORS", what: str, names=(), **kwargs) -> str:
+        """The IUT must reject this input with ValueError, whose message names one of ``names`` (the argument to
+        fix) when given; returns the message."""
         try:
             out = self.call(name, *args, **kwargs)
         except ValueError as exc:
+            if names:
+                self.require_named(str(exc), names, f"{name}: {what}", clause=clause)
             return str(exc)
         except Exception as exc:  # noqa: BLE001 - any other type is the failure being reported
             self.fail(clause, f"{name}: {what} must raise ValueError, raised {type(exc).__name__}: {exc}")
         self.fail(clause, f"{name}: {what} must raise ValueError, but the call returned {_describe(out)}")
+
+    def require_named(self, msg: str, names, what: str, *, clause: str = "INPUT-ERRORS") -> None:
+        """A ValueError message must name the argument to fix: ``names``, one name or any of several."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if not any(n in msg for n in names):
+            self.fail(clause, f"{what}: the ValueError must name the argument "
+                      f"{' or '.join(repr(n) for n in names)}, got: {msg!r}")
 
     # ------------------------------------------------------------------ assertions
     def positions_up_to(self, max_position) -> None:

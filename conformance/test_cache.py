@@ -112,8 +112,18 @@ def _state(c):
             "keys": np.asarray(k), "values": np.asarray(v)}
 
 
-def _same_state(ctx, a, b, clause, what):
+def _same_state(ctx, a, b, clause, what, batch=None):
+    """State a equals state b. With ``batch`` = B (a batched cache), a difference in some rows only names those
+    rows, and says when each of them holds row 0's data (one row saved or restored for the whole batch)."""
     for key in ("offset", "positions", "codes", "keys", "values"):
+        x, y = np.asarray(a[key]), np.asarray(b[key])
+        if batch and key in ("codes", "keys", "values") and x.shape == y.shape and x.shape[:1] == (batch,) \
+                and not np.array_equal(x, y):
+            bad = [i for i in range(batch) if not np.array_equal(x[i], y[i])]
+            row0 = all(np.array_equal(x[i], y[0]) for i in bad)
+            ctx.fail(clause, f"{what}: {key} of batch row(s) {bad} differ, {batch - len(bad)} of {batch} rows equal"
+                     + ("; each differing row holds row 0's data: one row saved or restored for the whole batch"
+                        if row0 else ""))
         ctx.assert_equal(a[key], b[key], clause=clause, what=f"{what}: {key}")
     # equal code values in another integer type (int64 from a file, say) are not the same state (CODES-DTYPE)
     if a["codes"].dtype != b["codes"].dtype:
@@ -441,20 +451,6 @@ def test_save_load_roundtrip(ctx, setup, T, n, dropped):
     ctx.assert_close(o2, o1, clause="CACHE-SAVE", what="decode output, loaded vs original" + hint, rtol=0, atol=0)
 
 
-def _same_rows(ctx, a, b, B, what):
-    """_same_state for a batched cache; a difference in some rows only names those rows, and says when each of
-    them holds row 0's data (one row saved or restored for the whole batch)."""
-    for key in ("offset", "positions", "codes", "keys", "values"):
-        x, y = np.asarray(a[key]), np.asarray(b[key])
-        if key in ("codes", "keys", "values") and x.shape == y.shape and x.shape[:1] == (B,) and not np.array_equal(x, y):
-            bad = [i for i in range(B) if not np.array_equal(x[i], y[i])]
-            row0 = all(np.array_equal(x[i], y[0]) for i in bad)
-            ctx.fail("CACHE-SAVE", f"{what}: {key} of batch row(s) {bad} differ, {B - len(bad)} of {B} rows equal"
-                     + ("; each differing row holds row 0's data: one row saved or restored for the whole batch"
-                        if row0 else ""))
-        ctx.assert_equal(x, y, clause="CACHE-SAVE", what=f"{what}: {key}")
-
-
 @pytest.mark.clause("CACHE-SAVE", requires={"cache_ops": ("save_load", "batch", "decode")})
 @given(setup=cache_setup(), B=st.integers(2, 3), T=st.integers(1, 12), n=st.integers(1, 3))
 def test_save_load_batched_rows(ctx, setup, B, T, n):
@@ -469,11 +465,11 @@ def test_save_load_batched_rows(ctx, setup, B, T, n):
         path = os.path.join(tmp, "cache")
         c.save(path)
         r = c.load(path)
-    _same_rows(ctx, _state(r), _state(c), B, "loaded vs saved")
+    _same_state(ctx, _state(r), _state(c), "CACHE-SAVE", "loaded vs saved", batch=B)
     _, k2, v2 = _tokens(ctx, config, rng, T, n, lead=(B,))
     c.append(k2, v2)
     r.append(k2, v2)
-    _same_rows(ctx, _state(r), _state(c), B, "after a further append")
+    _same_state(ctx, _state(r), _state(c), "CACHE-SAVE", "after a further append", batch=B)
     q = _query(ctx, config, rng, T + n - 1, lead=(B,))
     (o1, m1), (o2, m2) = c.decode(q), r.decode(q)
     ctx.assert_equal(np.asarray(m2), np.asarray(m1), clause="CACHE-SAVE", what="batched decode selection, loaded vs original")
@@ -536,9 +532,9 @@ def _check_cache_decode(ctx, c, orc, q, clause, what=""):
 @pytest.mark.clause("CACHE-BATCH", requires={"cache_ops": ("batch", "decode")})
 @given(setup=cache_setup(), B=st.integers(1, 3), T=st.integers(1, 24), split=st.integers(0, 24))
 def test_batched_decode_rows(ctx, setup, B, T, split):
-    """Row r of a batched cache (config["batch"] = B, B = 1 included: its arrays keep the leading axis) equals a batch-of-one cache fed only row r: each chunk's
-    prefill output (chunks [0, split) and [split, T), CACHE-CHUNK), codes, selection and output; and the batched
-    decode is an allowed decode of the oracle cache, row by row."""
+    """Row r of a batched cache (config["batch"] = B, B = 1 included: its arrays keep the leading axis) equals a
+    batch-of-one cache fed only row r: each chunk's prefill output (chunks [0, split) and [split, T), CACHE-CHUNK),
+    codes, selection and output; and the batched decode is an allowed decode of the oracle cache, row by row."""
     config, rng, notes = setup
     split = min(split, T)
     ctx.note(**notes, B=B, T=T, split=split)

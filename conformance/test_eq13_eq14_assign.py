@@ -45,15 +45,20 @@ def test_score_error_is_expected_squared_score_error(ctx, data):
                      atol=ctx.tol("EQ-13")[1] * max(1.0, terms))
 
 
+def _check_assign(ctx, k, C, H, what):
+    """assign(k, C, H) must return an allowed argmin_j (k - c_j) H (k - c_j)ᵀ (near ties: any tied index)."""
+    codes = ctx.call("assign", k, C, H)
+    dist = oracle.assign_distances(_f64(ctx, k), _f64(ctx, C), _f64(ctx, H))
+    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-14", dist)), clause="EQ-14",
+                          what=what, values=dist)
+
+
 @pytest.mark.clause("EQ-14")
 @given(case=hh.codebook_case())
 def test_assign_is_an_allowed_argmin(ctx, case):
     """Codes must be argmin_j (k - c_j) H (k - c_j)ᵀ; near ties (oracle margin) allow any tied index."""
     ctx.note(seed=case["seed"], head_dim=case["d"], K=case["K"], edge=case["edge"])
-    codes = ctx.call("assign", case["k"], case["C"], case["H"])
-    dist = oracle.assign_distances(_f64(ctx, case["k"]), _f64(ctx, case["C"]), _f64(ctx, case["H"]))
-    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-14", dist)), clause="EQ-14",
-                          what="assign(k, C, H)", values=dist)
+    _check_assign(ctx, case["k"], case["C"], case["H"], "assign(k, C, H)")
 
 
 @pytest.mark.clause("EQ-14")
@@ -61,11 +66,8 @@ def test_assign_is_an_allowed_argmin(ctx, case):
 def test_assign_large_codebook(ctx, case):
     """K = 256 ... 1000 (the authors' 4096-entry codebooks need codes past uint8): codes >= 256 come back whole."""
     ctx.note(seed=case["seed"], head_dim=case["d"], K=case["K"], targets=case["targets"].tolist())
-    codes = ctx.call("assign", case["k"], case["C"], case["H"])
-    dist = oracle.assign_distances(_f64(ctx, case["k"]), _f64(ctx, case["C"]), _f64(ctx, case["H"]))
-    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-14", dist)), clause="EQ-14",
-                          what=f"assign(k, C, H) with K={case['K']} codewords (codes >= 256 must not wrap or saturate)",
-                          values=dist)
+    _check_assign(ctx, case["k"], case["C"], case["H"],
+                  f"assign(k, C, H) with K={case['K']} codewords (codes >= 256 must not wrap or saturate)")
 
 
 @pytest.mark.clause("EQ-14")
@@ -125,8 +127,5 @@ def test_assign_leading_dims(ctx, case):
     """assign(k, C, H) with k (*lead, n, d): codes (*lead, n), every row of the leading dims coded on its own."""
     k = case["k"]
     ctx.note(seed=case["seed"], head_dim=case["d"], K=case["K"], lead=case["lead"], n=case["n"])
-    codes = ctx.call("assign", k, case["C"], case["H"])
-    dist = oracle.assign_distances(_f64(ctx, k), _f64(ctx, case["C"]), _f64(ctx, case["H"]))
-    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-14", dist)), clause="EQ-14",
-                          what=f"assign(k, C, H) with k {k.shape} (codes of shape {k.shape[:-1]}: each row of the "
-                               "leading dims codes its own keys)", values=dist)
+    _check_assign(ctx, k, case["C"], case["H"], f"assign(k, C, H) with k {k.shape} (codes of shape {k.shape[:-1]}: "
+                  "each row of the leading dims codes its own keys)")

@@ -27,7 +27,8 @@ def test_cholesky_matches_oracle(ctx, data):
     ctx.note(head_dim=d, batch=batch)
     L, _ = ctx.check("cholesky", H, clause="EQ-15")
     L = np.asarray(L, np.float64)
-    ctx.assert_equal(np.triu(L, 1) == 0, np.ones_like(L, bool), clause="EQ-15", what="L lower triangular (zeros above the diagonal; an upper factor U with H = UᵀU, such as "
+    ctx.assert_equal(np.triu(L, 1) == 0, np.ones_like(L, bool), clause="EQ-15",
+                     what="L lower triangular (zeros above the diagonal; an upper factor U with H = UᵀU, such as "
                           "scipy.linalg.cholesky's default lower=False, is Lᵀ)")
     ctx.assert_equal(np.diagonal(L, axis1=-2, axis2=-1) > 0, np.ones(L.shape[:-1], bool), clause="EQ-15",
                      what="positive diagonal")
@@ -58,17 +59,20 @@ def test_h_weighted_distance_is_z_space_euclidean(ctx, case):
                      atol=ctx.tol("EQ-16")[1] * max(1.0, float(brute.max())))
 
 
+def _check_assign_z(ctx, k, Cz, L, what):
+    """assign_z(k, Cz, L) must return an allowed nearest Cz row to k L (near ties: any tied index)."""
+    codes = ctx.call("assign_z", k, Cz, L)
+    dist = oracle.assign_z_distances(_f64(ctx, k), _f64(ctx, Cz), _f64(ctx, L))
+    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-16", dist)), clause="EQ-16",
+                          what=what, values=dist)
+
+
 @pytest.mark.clause("EQ-16")
 @given(case=hh.codebook_case())
 def test_assign_z_is_the_eq14_assignment(ctx, case):
     """Runtime assignment (nearest Cz row to k L) is the key-space Eq. 14 assignment with C = Cz L⁻¹."""
     ctx.note(seed=case["seed"], head_dim=case["d"], K=case["K"], edge=case["edge"])
-    L = _L(ctx, case["H"])
-    Cz = case["C"]
-    codes = ctx.call("assign_z", case["k"], Cz, L)
-    dist = oracle.assign_z_distances(_f64(ctx, case["k"]), _f64(ctx, Cz), _f64(ctx, L))
-    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-16", dist)), clause="EQ-16",
-                          what="assign_z(k, Cz, L)", values=dist)
+    _check_assign_z(ctx, case["k"], case["C"], _L(ctx, case["H"]), "assign_z(k, Cz, L)")
 
 
 @pytest.mark.clause("EQ-16", needs=("assign_z",))
@@ -80,11 +84,8 @@ def test_assign_z_large_codebook(ctx, case):
     L = _L(ctx, case["H"])
     Cz = case["C"]
     k = oracle.back_transform(case["k"], L)      # k L = the drawn points next to Cz[targets]
-    codes = ctx.call("assign_z", k, Cz, L)
-    dist = oracle.assign_z_distances(_f64(ctx, k), _f64(ctx, Cz), _f64(ctx, L))
-    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-16", dist)), clause="EQ-16",
-                          what=f"assign_z(k, Cz, L) with K={case['K']} codewords (codes >= 256 must not wrap or saturate)",
-                          values=dist)
+    _check_assign_z(ctx, k, Cz, L, f"assign_z(k, Cz, L) with K={case['K']} codewords (codes >= 256 must not wrap "
+                    "or saturate)")
 
 
 @pytest.mark.clause("EQ-18")
@@ -161,8 +162,5 @@ def test_assign_z_leading_dims(ctx, case):
     Cz = case["C"]
     k = oracle.back_transform(case["k"], L)       # k L = the drawn points next to Cz[targets]
     ctx.note(seed=case["seed"], head_dim=case["d"], K=case["K"], lead=case["lead"], n=case["n"])
-    codes = ctx.call("assign_z", k, Cz, L)
-    dist = oracle.assign_z_distances(_f64(ctx, k), _f64(ctx, Cz), _f64(ctx, L))
-    ctx.assert_in_allowed(codes, oracle.argmin_allowed(dist, ctx.margin("EQ-16", dist)), clause="EQ-16",
-                          what=f"assign_z(k, Cz, L) with k {k.shape} (codes of shape {k.shape[:-1]}: each row of "
-                               "the leading dims codes its own keys)", values=dist)
+    _check_assign_z(ctx, k, Cz, L, f"assign_z(k, Cz, L) with k {k.shape} (codes of shape {k.shape[:-1]}: each row "
+                    "of the leading dims codes its own keys)")

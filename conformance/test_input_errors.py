@@ -116,7 +116,7 @@ def test_slightly_asymmetric_H(ctx, seed, d, rel, scale, fn):
         msg = ctx.expect_value_error("assign", k, C, H, what=what)
     else:
         msg = ctx.expect_value_error("score_error", k, C[:3], H, what=what)
-    _named(ctx, msg, "H", f"{fn} with {what}")
+    ctx.require_named(msg, "H", f"{fn} with {what}")
 
 
 @pytest.mark.clause("INPUT-ERRORS", needs=("assign",))
@@ -142,11 +142,6 @@ def test_negative_w_or_b(ctx, seed, which, value):
 # INPUT-ERRORS: `0 ≤ query_pos ≤ T − 1` (RET-SELECT, RET-DECODE) and codes are integers in `[0, K)` (RET-LUT,
 # RET-DECODE); the message names the argument. A port that clamps query_pos, or gathers with clipped or wrapped
 # indices (mx.take and torch.gather on some devices do no bounds check), answers instead of raising.
-
-def _named(ctx, msg: str, param: str, what: str) -> None:
-    if param not in msg:
-        ctx.fail("INPUT-ERRORS", f"{what}: the ValueError must name the argument {param!r}, got: {msg!r}")
-
 
 def _bad_query_pos(T: int):
     return st.sampled_from([T, T + 5, -1])
@@ -181,7 +176,7 @@ def test_select_tokens_rejects_query_pos_out_of_range(ctx, data):
     ctx.note(seed=seed, n_q=n_q, T=T, **kw)
     what = f"query_pos={query_pos} for T={T} scored tokens (need 0 <= query_pos <= T - 1)"
     msg = ctx.expect_value_error("select_tokens", hh.normal(hh.rng_from(seed), (n_q, T)), what=what, **kw)
-    _named(ctx, msg, "query_pos", f"select_tokens: {what}")
+    ctx.require_named(msg, "query_pos", f"select_tokens: {what}")
 
 
 @pytest.mark.clause("INPUT-ERRORS", needs=("decode_step",))
@@ -194,7 +189,7 @@ def test_decode_step_rejects_query_pos_out_of_range(ctx, case, data):
     ctx.note(**notes, query_pos=kw["query_pos"], w=kw["w"], sinks=kw["sinks"], topk=kw["topk"])
     what = f"query_pos={kw['query_pos']} for T={T} cached tokens (need 0 <= query_pos <= T - 1)"
     msg = ctx.expect_value_error("decode_step", *args, what=what, **kw)
-    _named(ctx, msg, "query_pos", f"decode_step: {what}")
+    ctx.require_named(msg, "query_pos", f"decode_step: {what}")
 
 
 def _bad_codes(data, codes, K: int):
@@ -220,7 +215,7 @@ def test_token_scores_rejects_codes_out_of_range(ctx, data):
     codes, what = _bad_codes(data, rng.integers(0, K, size=(n_kv, T)), K)
     ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, K=K, T=T, codes=codes.tolist())
     msg = ctx.expect_value_error("token_scores", hh.normal(rng, (n_q, K)), codes, what=what)
-    _named(ctx, msg, "codes", f"token_scores: {what}")
+    ctx.require_named(msg, "codes", f"token_scores: {what}")
 
 
 @pytest.mark.clause("INPUT-ERRORS", needs=("decode_step",))
@@ -231,7 +226,7 @@ def test_decode_step_rejects_codes_out_of_range(ctx, case, data):
     codes, what = _bad_codes(data, codes, notes["K"])
     ctx.note(**notes, codes=codes.tolist(), w=kw["w"], sinks=kw["sinks"], topk=kw["topk"])
     msg = ctx.expect_value_error("decode_step", q, k, v, codes, C, what=what, **kw)
-    _named(ctx, msg, "codes", f"decode_step: {what}")
+    ctx.require_named(msg, "codes", f"decode_step: {what}")
 
 
 # --------------------------------------------------------------------------- RoPE, EQ-10, EQ-11, EQ-12 preconditions
@@ -366,7 +361,7 @@ def _w_or_b_rejected(ctx, fn, rng, which, value):
         msg = ctx.expect_value_error("far_query", hh.normal(rng, (3, 8)), what=what, **kw)
     else:
         msg = ctx.expect_value_error("query_moment", hh.normal(rng, (4, 3, 8)), n_kv_heads=2, what=what, **kw)
-    _named(ctx, msg, which, f"{fn}: {what}")
+    ctx.require_named(msg, which, f"{fn}: {what}")
 
 
 _BAD_MOMENTS = ("group of zeros", "n_q not a multiple of n_kv", "negative ridge", "non-finite ridge", "no tokens")
