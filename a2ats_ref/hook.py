@@ -13,6 +13,8 @@ class with a dispatcher:
   prefill of at least prefill.HOST_PREFILL_MIN query x key pairs runs
   prefill.causal_attention_host instead (same attention, NumPy's exp: MLX's CPU
   exp made long prefills exp-bound). Codes are assigned later, in batches;
+- cache is an a2ats_ref.batching.A2ATSBatchCache (mlx-lm's batch generation): the same, row by row;
+  its decode ignores the padding mask mlx-lm passes, because each row holds only its own tokens;
 - any other cache (or none) -> the function the module had before, untouched.
 
 The replacement is per model module and process-wide (other models of the same
@@ -32,6 +34,7 @@ import importlib
 import sys
 
 from . import fast_decode, prefill
+from .batching import A2ATSBatchCache
 from .cache import A2ATSCache, attention_modules, _head_dims
 from .rope import rope_params_from_module
 
@@ -52,7 +55,8 @@ _ORIGINALS: dict[str, object] = {}  # module name -> the function it bound befor
 
 def _make_dispatcher(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if not isinstance(cache, A2ATSCache):
+        batch = isinstance(cache, A2ATSBatchCache)
+        if not (batch or isinstance(cache, A2ATSCache)):
             if sinks is None:
                 return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -62,7 +66,7 @@ def _make_dispatcher(original):
             if isinstance(mask, str) and mask == "causal" and prefill.use_host_prefill(queries, keys):
                 return prefill.causal_attention_host(queries, keys, values, scale=scale)
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
-        if mask is not None and not isinstance(mask, str):
+        if mask is not None and not isinstance(mask, str) and not batch:
             raise ValueError(
                 "A2ATS decode got an explicit attention mask (padding or a sliding window); A2ATS supports "
                 "equal-length batches without padding on full-attention layers"
