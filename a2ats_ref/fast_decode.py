@@ -46,6 +46,7 @@ Three selection methods (``method=``): "host" (NumPy, exact top-k with the oracl
 from __future__ import annotations
 
 import math
+import threading
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -399,6 +400,7 @@ def _gather_blocks(S: int, BH: int, d: int, n_lanes: int = 1) -> list[tuple[int,
 
 
 _LANES: dict = {}
+_THREAD = threading.local()   # a key per thread: MLX streams belong to the thread that made them
 
 
 def _lanes() -> tuple:
@@ -409,7 +411,7 @@ def _lanes() -> tuple:
     one stream (its ops are parallel already).
     """
     dev = mx.default_device()
-    key = str(dev)
+    key = (str(dev), _THREAD.__dict__.setdefault("key", object()))
     if key not in _LANES:
         first = mx.default_stream(dev)
         _LANES[key] = (first, mx.new_stream(dev)) if dev.type == mx.cpu else (first,)
