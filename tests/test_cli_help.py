@@ -1,13 +1,14 @@
-"""Help texts of a2ats-bench, a2ats-calibrate and a2ats-generate: every argument has help, the text reads as
+"""Help texts of a2ats-bench, a2ats-calibrate, a2ats-generate and a2ats-server (its own flags): every argument has help, the text reads as
 plain text (no reST backticks), and a2ats-bench describes both of its benchmarks."""
 
 from __future__ import annotations
 
 import pytest
 
-from a2ats_ref import bench, calibrate, generate
+from a2ats_ref import bench, calibrate, generate, server
 
-PARSERS = {"a2ats-bench": bench._parser, "a2ats-calibrate": calibrate._parser, "a2ats-generate": generate._parser}
+PARSERS = {"a2ats-bench": bench._parser, "a2ats-calibrate": calibrate._parser, "a2ats-generate": generate._parser,
+           "a2ats-server": server._a2ats_parser}
 
 
 @pytest.mark.parametrize("prog", sorted(PARSERS))
