@@ -25,6 +25,7 @@ __all__ = ["A2ATSModelProvider", "main"]
 
 def _a2ats_parser() -> argparse.ArgumentParser:
     from .cache import A2ATSConfig
+    from .generate import _topk
 
     d = A2ATSConfig()
     p = argparse.ArgumentParser(
@@ -35,9 +36,9 @@ def _a2ats_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--codebook", required=True, metavar="PATH",
                    help="codebook file written by a2ats-calibrate for --model (checked before the server starts)")
-    p.add_argument("--topk", type=float, default=d.topk,
-                   help=f"tokens retrieved per query head: a fraction in (0, 1] of the context, or a count >= 1 "
-                        f"(default {d.topk})")
+    p.add_argument("--topk", type=_topk, default=d.topk,
+                   help=f"tokens retrieved per query head: a fraction in (0, 1] of the context (e.g. 0.03) or a count "
+                        f"(e.g. 64) (default {d.topk})")
     p.add_argument("--window", type=int, default=d.w, help=f"recent window w, always attended (default {d.w})")
     p.add_argument("--sinks", type=int, default=d.sinks, help=f"attention sinks, always attended (default {d.sinks})")
     p.add_argument("--b", type=int, default=None,
@@ -121,7 +122,6 @@ def main(argv=None) -> int:
             raise ValueError(f"--codebook: {args.codebook} does not exist; write one with a2ats-calibrate") from None
         except CodebookError as exc:
             raise ValueError(f"--codebook: {exc}") from None
-        args.topk = int(args.topk) if args.topk >= 1 and float(args.topk).is_integer() else args.topk
         config = _config(args, codebook)
         provider = _provider_class()
         made = []

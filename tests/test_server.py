@@ -54,11 +54,14 @@ def served(files, monkeypatch):
         gen.stop_and_join()
 
 
-def complete(url: str, prompt: str) -> str:
-    body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}).encode()
+def complete(url: str, prompt: str, *, usage=None, **extra) -> str:
+    body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, **extra}).encode()
     req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())["choices"][0]["text"]
+        answer = json.loads(r.read())
+    if usage is not None:
+        usage.update(answer.get("usage", {}))
+    return answer["choices"][0]["text"]
 
 
 def test_concurrent_requests_are_batched_and_each_equals_the_request_alone(served, monkeypatch):
@@ -78,9 +81,12 @@ def test_concurrent_requests_are_batched_and_each_equals_the_request_alone(serve
         t.join(timeout=300)
     assert all(a is not None for a in answers), answers
     assert rows and max(rows) > 1, f"the server never batched the A2ATS requests (rows per decode: {set(rows)})"
-    again = complete(url, PROMPTS[1])   # the same prompt: served from the server's prompt cache
+    usage = {}
+    again = complete(url, PROMPTS[1], usage=usage)   # the same prompt: served from the server's prompt cache
+    assert usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) > 0, usage
+    seeded = complete(url, PROMPTS[3], seed=5)   # a request with a seed: the server runs it alone (not batched)
     model, tok = provider.model, provider.tokenizer
-    for p, got in zip(PROMPTS + [PROMPTS[1]], answers + [again]):
+    for p, got in zip(PROMPTS + [PROMPTS[1], PROMPTS[3]], answers + [again, seeded]):
         cache = make_prompt_cache(model)
         assert all(isinstance(c, A2ATSCache) for c in cache)
         alone = generate(model, tok, tok.encode(p), max_tokens=MAX_TOKENS, prompt_cache=cache)
