@@ -310,20 +310,21 @@ class _HostPathHeadZeroCache(_SameClassOnLoad, ReferenceCache):
 
     def decode(self, q_post):
         import mlx.core as mx
-        from a2ats_ref import fast_decode as fd
+        from a2ats_ref.runtime.decode import portable as fd
+        from a2ats_ref.runtime.decode import dispatch
 
-        original, auto = fd._select_host, fd.auto_method
+        original, auto = fd._select_host, dispatch.auto_method
 
         def first_head_only(lut, codes, **kw):
             return original(mx.broadcast_to(lut[:, :1, :], lut.shape), codes, **kw)
 
         fd._select_host = first_head_only
         # the host path on every device (off the CPU, auto takes the sort-free step at any length)
-        fd.auto_method = lambda n, **shape: "host" if n >= fd.HOST_SELECT_MIN else auto(n, **shape)
+        dispatch.auto_method = lambda n, **shape: "host" if n >= fd.HOST_SELECT_MIN else auto(n, **shape)
         try:
             return super().decode(q_post)
         finally:
-            fd._select_host, fd.auto_method = original, auto
+            fd._select_host, dispatch.auto_method = original, auto
 
 
 class HostPathHeadZero(Mutant):
@@ -675,7 +676,7 @@ class _SaveDropsParamCache(ReferenceCache):
     def load(self, path):
         import dataclasses
 
-        from a2ats_ref.cache import A2ATSConfig
+        from a2ats_ref.runtime.cache import A2ATSConfig
 
         r = super().load(path)
         r._c.config = dataclasses.replace(r._c.config, **{self.param: getattr(A2ATSConfig(), self.param)})

@@ -20,7 +20,7 @@ import os
 import time
 
 import pytest
-from a2ats_ref.suite_env import exchange as _exchange_jit_modules
+from a2ats_conformance.suite_env import exchange as _exchange_jit_modules
 from hypothesis import HealthCheck, Phase, settings
 
 from . import capabilities as _caps
@@ -380,7 +380,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_runtest_teardown(item, nextitem):
-    _exchange_jit_modules()   # share compiled kernels between this run's workers (a2ats_ref.suite_env says why)
+    _exchange_jit_modules()   # share compiled kernels between this run's workers (a2ats_conformance.suite_env says why)
 
 
 def pytest_unconfigure(config):

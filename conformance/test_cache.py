@@ -646,7 +646,7 @@ def _fixed_setup(*, d, n_q, n_kv, K, w, sinks, topk, b=2048, seed=7, scale=None)
     return config, rng, dict(seed=seed, n_q=n_q, n_kv=n_kv, K=K, head_dim=d, w=w, b=b, sinks=sinks, topk=topk,
                              scale=scale)
 
-#: a2ats_ref/fast_decode.py selects on the host from this many candidates (HOST_SELECT_MIN); a port may have
+#: a2ats_ref/runtime/decode/portable.py selects on the host from this many candidates (HOST_SELECT_MIN); a port may have
 #: any such threshold, the suite only makes sure one example per run is past it.
 _HOST_CANDIDATES = 32_768   # past any threshold the reference has used (32,768 before 12,288)
 

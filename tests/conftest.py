@@ -4,7 +4,7 @@
 import json
 
 # Full float32 matmuls on GPUs and a JIT cache of this process's own, before MLX runs (suite_env says why).
-from a2ats_ref.suite_env import exchange, pin_suite_process  # noqa: E402
+from a2ats_conformance.suite_env import exchange, pin_suite_process  # noqa: E402
 
 pin_suite_process()
 

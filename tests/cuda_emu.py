@@ -2,7 +2,7 @@
 
 `emulate` takes what `cuda_decode.mlx_launch` takes. It writes the inputs to files, compiles the kernel once per
 template instance with AddressSanitizer (g++ -std=c++20), runs it, and reads the outputs back as MLX arrays. So
-`cuda_decode.compare_parts(..., launch=emulate)` checks the kernels' indices and logic against the portable step
+`selfcheck.compare_parts(..., launch=emulate)` checks the kernels' indices and logic against the portable step
 on any machine with g++. It does not check the GPU's memory model, timing or compiler.
 """
 
@@ -19,7 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from a2ats_ref import cuda_decode
+from a2ats_ref.runtime.decode import cuda as cuda_decode
+from a2ats_ref.runtime.decode import selfcheck
 
 HERE = Path(__file__).resolve().parent
 #: C++ type of each MLX dtype the kernels see

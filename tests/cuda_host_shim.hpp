@@ -1,4 +1,4 @@
-// Runs the CUDA sources of a2ats_ref/cuda_decode.py on the host, for tests/test_cuda_emu.py: one std::thread per
+// Runs the CUDA sources of a2ats_ref/runtime/decode/cuda.py on the host, for tests/test_cuda_emu.py: one std::thread per
 // CUDA thread, a std::barrier per block (__syncthreads) and per warp (shuffles, ballots), `__shared__` as
 // function statics (shared by the block running; blocks run one at a time). Built with AddressSanitizer, so an
 // index outside an input, output or shared array stops the run. Timing, the memory model and the GPU's

@@ -1,8 +1,8 @@
-"""The facts SPEC.md states about the authors' code, recomputed (a2ats_ref.authors_checks)."""
+"""The facts SPEC.md states about the authors' code, recomputed (a2ats_ref.bench.authors_checks)."""
 
 import numpy as np
 
-from a2ats_ref import authors_checks as ac
+from a2ats_ref.bench import authors_checks as ac
 from a2ats_spec import oracle as _o
 
 

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from a2ats_ref import bench
+from a2ats_ref.bench import cli as bench
+from a2ats_ref.runtime.decode import selfcheck
 
 
 def test_speed_quick_json_schema(tmp_path):
@@ -59,7 +60,7 @@ def test_speed_quick_json_schema(tmp_path):
 
 
 def test_paired_ratio_is_the_median_of_per_repetition_ratios():
-    from a2ats_ref.bench_speed import paired_ratio
+    from a2ats_ref.bench.speed import paired_ratio
 
     # per-repetition ratios 3, 1, 2: median 2 (the ratio of the medians would be 4 / 4 = 1)
     assert paired_ratio([3.0, 4.0, 10.0], [1.0, 4.0, 5.0]) == {"median": 2.0, "q25": 1.5, "q75": 2.5, "n": 3}
@@ -70,8 +71,8 @@ def test_paired_ratio_is_the_median_of_per_repetition_ratios():
 def test_update_case_codes_one_batch_per_repetition_in_every_layer(monkeypatch):
     """The update case's batched row codes w + 1 tokens per repetition in each layer (one batch, triggered as decode
     triggers it), each layer with its own codebook, and every repetition starts from the same T cached tokens."""
-    from a2ats_ref import bench_speed as bs
-    from a2ats_ref import cache as C
+    from a2ats_ref.bench import speed as bs
+    from a2ats_ref.runtime import cache as C
 
     seen = []
     real = C.A2ATSCache._assign_pending
@@ -96,8 +97,8 @@ def test_speed_T_chooses_the_context_lengths(tmp_path):
     assert bench.main(["speed", "--tiny", "--T", "768", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["decode_step"]
     assert row["T"] == 768
-    from a2ats_ref import cuda_decode
-    methods = {"mlx", "sortfree", "host"} | ({"cuda"} if cuda_decode.usable() else set())
+    from a2ats_ref.runtime.decode import cuda as cuda_decode
+    methods = {"mlx", "sortfree", "host"} | ({"cuda"} if selfcheck.usable() else set())
     assert set(row["method_ms"]) == set(row["method_speedup"]) == methods   # beside dense
     with pytest.raises(SystemExit) as e:
         bench.main(["speed", "--tiny", "--T", "1000", "--json", str(out)])
@@ -118,10 +119,10 @@ def test_fidelity_tiny_json_schema(tmp_path):
 
 
 def test_fidelity_text_is_disjoint_from_calibration_text():
-    from a2ats_ref import bench_fidelity as bf
+    from a2ats_ref.bench import fidelity as bf
 
     assert not set(bf.EVAL_PACKAGES) & set(bf.CALIB_PACKAGES)
-    from a2ats_ref.corpus import stdlib_files
+    from a2ats_ref.calibration.corpus import stdlib_files
 
     assert not any(set(bf.EVAL_PACKAGES) & set(p.parts) for p in stdlib_files()), "a2ats-calibrate's default corpus must not contain the evaluation text"
     ev, ca = bf.eval_text(20000), bf.calib_text(20000)
@@ -174,7 +175,7 @@ class _CharTok:
 
 
 def test_calibration_packing_follows_the_authors():
-    from a2ats_ref.bench_fidelity import calibration_sequences
+    from a2ats_ref.bench.fidelity import calibration_sequences
 
     tok = _CharTok()
     seqs, n_text, n_uuid = calibration_sequences(tok, text_tokens=3000, uuid_tokens=500, max_len=400,
@@ -194,7 +195,7 @@ def test_machine_block_names_the_gpu_memory_under_either_key():
     # entry naming memory is taken, and the whole dict is kept
     from types import SimpleNamespace
 
-    from a2ats_ref import bench
+    from a2ats_ref.bench import cli as bench
 
     def fake(info):
         return SimpleNamespace(gpu="gpu", cpu="cpu", default_device=lambda: SimpleNamespace(type="gpu"),
@@ -210,7 +211,7 @@ def _interrupt_at_call(monkeypatch, n, how):
     """Make the decode table's n-th case stop the run (``how``: "ctrl-c" or "sigterm")."""
     import os
 
-    from a2ats_ref import bench_speed
+    from a2ats_ref.bench import speed as bench_speed
 
     real, calls = bench_speed.decode_step_case, []
 

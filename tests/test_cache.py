@@ -9,15 +9,8 @@ import numpy as np
 import pytest
 
 from a2ats_conformance.tolerances import tie_margin, tolerance
-from a2ats_ref.cache import (
-    A2ATSCache,
-    A2ATSCodebook,
-    A2ATSConfig,
-    LayerCodebook,
-    make_a2ats_cache,
-    random_codebook,
-)
-from a2ats_ref.hook import enable_a2ats
+from a2ats_ref.runtime.cache import A2ATSCache, A2ATSCodebook, A2ATSConfig, LayerCodebook, make_a2ats_cache, random_codebook
+from a2ats_ref.runtime.hook import enable_a2ats
 from a2ats_spec import oracle
 from test_cache_support import HEAD_DIM, N_HEADS, N_KV, a2ats_caches, kv_caches, quiet_codebook, run, tiny_llama, tokens
 
@@ -353,9 +346,9 @@ def test_from_layers_and_calibration_codebook_objects():
     again = A2ATSCodebook.from_layers(cb.layers)
     assert again.layers[0] is cb.layers[0] and not again.random
     try:
-        from a2ats_ref.codebook import Codebook
+        from a2ats_ref.runtime.codebook import Codebook
     except ImportError:
-        pytest.skip("a2ats_ref.codebook not available")
+        pytest.skip("a2ats_ref.runtime.codebook not available")
     cal = Codebook([cb.layers[0].Cz], [cb.layers[0].L])
     got = A2ATSCodebook.coerce(cal)
     np.testing.assert_array_equal(np.array(got.layers[0].C), np.array(cb.layers[0].C))

@@ -14,7 +14,7 @@ import pytest
 
 import a2ats_spec.oracle as O
 from a2ats_conformance.tolerances import tie_margin, tolerance
-from a2ats_ref import cache as C
+from a2ats_ref.runtime import cache as C
 from a2ats_ref.eq12_far_keys import far_keys
 from a2ats_ref.eq16_z_transform import assign_z
 from a2ats_ref.retrieval import decode_step, retrieval_attention
@@ -149,7 +149,7 @@ def test_codes_are_assigned_in_batches_when_tokens_leave_the_window(monkeypatch)
 
 def _counts_ok(cache):
     """The kept per-code counts, and the mx copy decode reads, are code_counts of the coded tokens [0, _coded)."""
-    from a2ats_ref.fast_decode import code_counts
+    from a2ats_ref.runtime.decode.portable import code_counts
 
     if cache._coded == 0:
         return cache._counts is None or not np.array(cache._counts).any()
@@ -161,7 +161,7 @@ def test_code_counts_follow_coding_trim_and_load(monkeypatch, tmp_path):
     """Per-code counts (what the sort-free step walks instead of sorting T tokens) stay the counts of the
     coded tokens through deferred batch coding, decodes, trims into coded and pending tokens, and a
     save/load (recounted from the codes, not stored). A trim that forgets them is caught."""
-    from a2ats_ref.cache_io import load_a2ats_cache, save_a2ats_cache
+    from a2ats_ref.files.cache import load_a2ats_cache, save_a2ats_cache
 
     rng = np.random.default_rng(5)
     inv = rope_inv_freqs(D, 10000.0)

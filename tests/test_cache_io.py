@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from a2ats_ref.cache_io import load_a2ats_cache, save_a2ats_cache
-from a2ats_ref.hook import enable_a2ats
+from a2ats_ref.files.cache import load_a2ats_cache, save_a2ats_cache
+from a2ats_ref.runtime.hook import enable_a2ats
 from test_cache_support import a2ats_caches, kv_caches, quiet_codebook, tiny_llama, tokens
 
 

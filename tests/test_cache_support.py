@@ -9,7 +9,7 @@ import numpy as np
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
-from a2ats_ref.cache import A2ATSCodebook, A2ATSConfig, make_a2ats_cache, random_codebook
+from a2ats_ref.runtime.cache import A2ATSCodebook, A2ATSConfig, make_a2ats_cache, random_codebook
 
 N_LAYERS, N_HEADS, N_KV, HEAD_DIM, VOCAB = 2, 4, 2, 16, 64
 

@@ -10,9 +10,9 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from a2ats_ref import calibrate as cal
-from a2ats_ref import collect as col
-from a2ats_ref.codebook import Codebook, CodebookError
+from a2ats_ref.calibration import calibrate as cal
+from a2ats_ref.calibration import collect as col
+from a2ats_ref.runtime.codebook import Codebook, CodebookError
 from a2ats_ref.eq10_query_moment import query_moment
 from a2ats_ref.rope import rope_inv_freqs, rope_invert
 
@@ -86,7 +86,7 @@ def test_mismatched_model_is_named(tiny_codebook, kwargs, named):
 
 
 def test_config_b_must_match(tiny_codebook):
-    from a2ats_ref.cache import A2ATSConfig
+    from a2ats_ref.runtime.cache import A2ATSConfig
 
     m, cb = tiny_codebook
     cb.validate_against(m, config=A2ATSConfig(b=64))
@@ -105,8 +105,8 @@ def test_reproducible(text_file, tiny_codebook):
 def test_codebook_feeds_the_cache(tiny_codebook):
     from mlx_lm import generate
 
-    from a2ats_ref.cache import A2ATSConfig, make_a2ats_cache
-    from a2ats_ref.hook import disable_a2ats, enable_a2ats
+    from a2ats_ref.runtime.cache import A2ATSConfig, make_a2ats_cache
+    from a2ats_ref.runtime.hook import disable_a2ats, enable_a2ats
 
     m, cb = tiny_codebook
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from a2ats_ref.codebook import FORMAT_NAME, FORMAT_VERSION, Codebook, CodebookError
+from a2ats_ref.runtime.codebook import FORMAT_NAME, FORMAT_VERSION, Codebook, CodebookError
 
 
 def make_codebook(n_layers=2, n_kv=2, K=8, d=4, seed=0):
@@ -61,7 +61,7 @@ def test_round_trip(tmp_path):
 
 
 def test_cache_accepts_it():
-    from a2ats_ref.cache import A2ATSCodebook
+    from a2ats_ref.runtime.cache import A2ATSCodebook
 
     cb = make_codebook()
     cc = A2ATSCodebook.coerce(cb)

@@ -1,6 +1,6 @@
-"""RET-DECODE's CUDA kernels (a2ats_ref/cuda_decode.py) run on the host: their sources, compiled by g++ with
+"""RET-DECODE's CUDA kernels (a2ats_ref/runtime/decode/cuda.py) run on the host: their sources, compiled by g++ with
 AddressSanitizer and UBSan against tests/cuda_host_shim.hpp (one thread per CUDA thread), checked by
-cuda_decode.compare_parts exactly as the GPU self-check checks them: the LUT against float64, the selected set
+selfcheck.compare_parts exactly as the GPU self-check checks them: the LUT against float64, the selected set
 against the portable selection (exactly), the attention against the portable attention.
 
 This checks the kernels' indices and logic on any machine, the shapes no GPU run has covered included. It does
@@ -10,11 +10,13 @@ not check the GPU's memory model, timing or compiler: tests/test_gpu.py does, on
 from functools import partial
 
 import a2ats_ref  # noqa: F401  (before mlx: BLAS preload)
+from a2ats_ref.runtime.decode import dispatch, selfcheck
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from a2ats_ref import cuda_decode, fast_decode
+from a2ats_ref.runtime.decode import cuda as cuda_decode
+from a2ats_ref.runtime.decode import portable as fast_decode
 from a2ats_ref.retrieval import topk_count
 
 cuda_emu = pytest.importorskip("cuda_emu")
@@ -40,7 +42,7 @@ ATTN_BOUND = {mx.float32: 1e-5, mx.float16: 1e-2, mx.bfloat16: 1e-2}
 ], ids=lambda c: f"d{c['d']}-G{c['n_q'] // c['n_kv']}-K{c['K']}-{str(c['dtype']).rsplit('.', 1)[-1]}"
                  + (f"-S{c['S']}" if "S" in c else "") + ("-recounted" if c.get("kept") is False else ""))
 def test_kernels_on_the_host_match_the_portable_step(case):
-    diff = cuda_decode.compare_parts(launch=cuda_emu.emulate, **case)
+    diff = selfcheck.compare_parts(launch=cuda_emu.emulate, **case)
     assert diff["same_selection"] and diff["extra"] == diff["missing"] == 0, diff
     assert diff["cut"] == ("S" in case), diff
     assert diff["lut_rel_err"] <= 1e-5, diff
@@ -72,9 +74,9 @@ def test_host_kernels_reject_mutants(monkeypatch, old, new, case, expect):
         monkeypatch.setitem(cuda_decode.KERNELS, k, (ins, outs, src.replace(old, new)))
     if expect == "crash":
         with pytest.raises(RuntimeError, match="host emulator"):
-            cuda_decode.compare_parts(launch=cuda_emu.emulate, **case)
+            selfcheck.compare_parts(launch=cuda_emu.emulate, **case)
         return
-    diff = cuda_decode.compare_parts(launch=cuda_emu.emulate, **case)
+    diff = selfcheck.compare_parts(launch=cuda_emu.emulate, **case)
     if expect == "selection":
         assert not diff["same_selection"] and diff["extra"] + diff["missing"] > 0, diff
     else:
@@ -83,7 +85,7 @@ def test_host_kernels_reject_mutants(monkeypatch, old, new, case, expect):
 
 def test_compare_parts_refuses_a_shape_the_kernels_cannot_hold():
     with pytest.raises(ValueError, match="do not fit G=8, d=256"):
-        cuda_decode.compare_parts(T=500, n_q=8, n_kv=1, d=256, K=64, launch=cuda_emu.emulate)
+        selfcheck.compare_parts(T=500, n_q=8, n_kv=1, d=256, K=64, launch=cuda_emu.emulate)
 
 
 @pytest.fixture
@@ -112,8 +114,8 @@ def test_decode_step_through_the_host_kernels_matches_the_portable_step(host_ker
     if tables:
         th = np.float32(i) * np.array(inv)
         kw["applied_angle"] = (mx.array(np.cos(th).astype(np.float32)), mx.array(np.sin(th).astype(np.float32)))
-    out_c, mask_c = fast_decode.decode_step_fast(q, k, v, codes, CT, method="cuda", **kw)
-    out_p, mask_p = fast_decode.decode_step_fast(q, k, v, codes, CT, method="sortfree", **kw)
+    out_c, mask_c = dispatch.decode_step_fast(q, k, v, codes, CT, method="cuda", **kw)
+    out_p, mask_p = dispatch.decode_step_fast(q, k, v, codes, CT, method="sortfree", **kw)
     assert mask_c.shape == mask_p.shape == (B, n_kv, n_tokens)
     assert np.array_equal(np.array(mask_c), np.array(mask_p))
     assert not np.array(mask_c)[..., i + 1:].any() and np.array(mask_c)[..., i].all()
@@ -141,6 +143,6 @@ def test_kept_counts_lose_exactly_the_coded_window(host_kernels):
     kv = mx.array(np.random.default_rng(1).standard_normal((1, 1, n, d)).astype(np.float32))
     CT = fast_decode.prepare_codebook(mx.array(np.stack([qv, -qv])[None]))
     q = mx.array(qv.reshape(1, 1, 1, d))
-    _, mask_c = fast_decode.decode_step_fast(q, kv, kv, codes, CT, method="cuda", **kw)
-    _, mask_p = fast_decode.decode_step_fast(q, kv, kv, codes, CT, method="sortfree", **kw)
+    _, mask_c = dispatch.decode_step_fast(q, kv, kv, codes, CT, method="cuda", **kw)
+    _, mask_p = dispatch.decode_step_fast(q, kv, kv, codes, CT, method="sortfree", **kw)
     assert np.array(mask_p).all() and np.array_equal(np.array(mask_c), np.array(mask_p))

@@ -1,4 +1,4 @@
-"""RET-DECODE: the fast decode path (a2ats_ref.fast_decode) against the float64 oracle.
+"""RET-DECODE: the fast decode path (a2ats_ref.runtime.decode.portable) against the float64 oracle.
 
 The selection is checked against the oracle's allowed-result sets (must ⊆ M ⊆ may, RET-SELECT) and the
 output against the oracle's exact attention over the selection the fast path actually made (RET-ATTN),
@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from a2ats_conformance.tolerances import tie_margin, tolerance
-import a2ats_ref.fast_decode as fd
-from a2ats_ref.fast_decode import decode_step_fast, prepare_codebook, selection_size
+import a2ats_ref.runtime.decode.portable as fd
+from a2ats_ref.runtime.decode import dispatch
+from a2ats_ref.runtime.decode.portable import prepare_codebook, selection_size
+from a2ats_ref.runtime.decode.dispatch import decode_step_fast
 from a2ats_spec import oracle
 
 MX = {"float32": mx.float32, "float16": mx.float16}
@@ -156,7 +158,7 @@ def test_errors_name_the_argument():
 def test_blocked_gather_equals_one_block(monkeypatch, dtype, on_cpu):
     """The attention step gathers the selection in blocks (GATHER_BLOCK_BYTES) and sums p @ V over them;
     with 8-row blocks (many blocks, a ragged last one) the result is the oracle's exact attention."""
-    import a2ats_ref.fast_decode as fd
+    import a2ats_ref.runtime.decode.portable as fd
 
     q, k, v, codes, C = _case(11, B=2, n_q=6, n_kv=2, dtype=dtype)
     inv = oracle.rope_inv_freqs(16, 10000.0)
@@ -345,16 +347,16 @@ def test_auto_picks_sortfree_off_the_cpu(monkeypatch):
     """No CPU-tuned threshold decides a GPU path: off the CPU, auto is the sort-free step at every length, or the
     CUDA step at every length where its self-check passed (stood in for here, so this runs the same on a CPU, on
     Metal and on MLX CUDA, where the H200 run at 9ac83db found the real check passing)."""
-    from a2ats_ref import cuda_decode
+    from a2ats_ref.runtime.decode import cuda as cuda_decode
 
     monkeypatch.setattr(fd.mx, "default_device", lambda: mx.Device(mx.cpu))
-    assert fd.auto_method(10) == "mlx" and fd.auto_method(fd.HOST_SELECT_MIN) == "host"
+    assert dispatch.auto_method(10) == "mlx" and dispatch.auto_method(fd.HOST_SELECT_MIN) == "host"
     monkeypatch.setattr(fd.mx, "default_device", lambda: mx.Device(mx.gpu))
-    monkeypatch.setattr(cuda_decode, "usable", lambda **_: False)
-    assert fd.auto_method(10) == fd.auto_method(10 ** 6) == "sortfree"
-    monkeypatch.setattr(cuda_decode, "usable", lambda **_: True)
-    assert fd.auto_method(10) == fd.auto_method(10 ** 6) == "cuda"
-    assert fd.auto_method(10 ** 6, G=4, d=80, dv=80, K=4096) == "sortfree"   # shapes the kernels do not take
+    monkeypatch.setattr(dispatch, "usable", lambda **_: False)
+    assert dispatch.auto_method(10) == dispatch.auto_method(10 ** 6) == "sortfree"
+    monkeypatch.setattr(dispatch, "usable", lambda **_: True)
+    assert dispatch.auto_method(10) == dispatch.auto_method(10 ** 6) == "cuda"
+    assert dispatch.auto_method(10 ** 6, G=4, d=80, dv=80, K=4096) == "sortfree"   # shapes the kernels do not take
     assert fd._gather_blocks(10 ** 5, 8, 128) == [(0, 10 ** 5)]   # one gather: blocks are a CPU cache tactic
 
 

@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from a2ats_ref import gguf
+from a2ats_ref.files import gguf
 
 # No skip when it is missing: the README's test command installs it, and a test that silently skips
 # the only real model would pass without checking anything. smollm2_path's error says how to install it.
@@ -100,10 +100,10 @@ def test_load_model_refuses_missing_paths(tmp_path):
 def test_small_calibration_drives_the_cache(quantized, dense):
     from mlx_lm import generate
 
-    from a2ats_ref.calibrate import calibrate
-    from a2ats_ref.cache import A2ATSConfig, make_a2ats_cache
-    from a2ats_ref.codebook import Codebook
-    from a2ats_ref.hook import disable_a2ats, enable_a2ats
+    from a2ats_ref.calibration.calibrate import calibrate
+    from a2ats_ref.runtime.cache import A2ATSConfig, make_a2ats_cache
+    from a2ats_ref.runtime.codebook import Codebook
+    from a2ats_ref.runtime.hook import disable_a2ats, enable_a2ats
 
     dmodel, dtok, dinfo = dense
     cb = calibrate(dmodel, dtok, tokens=96, codebook_size=8, b=2048, seed=0, seq_len=128, packing="packed", chunk=128, max_iter=3,

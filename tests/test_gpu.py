@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import a2ats_ref  # noqa: F401  (before mlx: BLAS preload)
+from a2ats_ref.runtime.decode import dispatch, selfcheck
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 from mlx_lm.models.rope_utils import Llama3RoPE
 
 from a2ats_ref import precision, rope
-from a2ats_ref.cache import A2ATSCache, assign_codes, random_codebook
+from a2ats_ref.runtime.cache import A2ATSCache, assign_codes, random_codebook
 from a2ats_ref.eq17_kmeans import _means, kmeans
 
 ON_GPU = mx.default_device().type == mx.gpu
@@ -111,7 +112,7 @@ def test_cache_codes_use_the_models_angles():
 
 def test_saved_cache_keeps_the_models_rope_call(tmp_path):
     # A loaded cache must keep undoing the model's own angles for the tokens it appends later.
-    from a2ats_ref.cache_io import load_a2ats_cache, save_a2ats_cache
+    from a2ats_ref.files.cache import load_a2ats_cache, save_a2ats_cache
 
     cb = random_codebook(1, 2, 64, 256)
     module = nn.RoPE(64, traditional=True, base=10000.0, scale=0.5)
@@ -152,7 +153,8 @@ def test_kmeans_repeats_bitwise_on_the_gpu():
 
 
 # --------------------------------------------------------------------------- RET-DECODE's CUDA kernels
-from a2ats_ref import cuda_decode, fast_decode  # noqa: E402
+from a2ats_ref.runtime.decode import cuda as cuda_decode  # noqa: E402
+from a2ats_ref.runtime.decode import portable as fast_decode
 
 ON_CUDA = cuda_decode.on_cuda()
 
@@ -166,10 +168,10 @@ def test_cuda_method_is_refused_off_cuda_with_what_to_use_instead():
     CT = fast_decode.prepare_codebook(mx.zeros((2, 16, 64)))
     inv = mx.array((1.0 / 10000.0 ** (np.arange(0, 64, 2) / 64)).astype(np.float32))
     with pytest.raises(ValueError, match="method='cuda' needs MLX's CUDA backend.*use method='sortfree'"):
-        fast_decode.decode_step_fast(x, kv, kv, codes, CT, query_pos=299, b=2048, w=8, sinks=2, topk=0.1,
+        dispatch.decode_step_fast(x, kv, kv, codes, CT, query_pos=299, b=2048, w=8, sinks=2, topk=0.1,
                                      inv_freqs=inv, traditional=False, method="cuda")
-    assert not cuda_decode.usable()
-    assert fast_decode.auto_method(10**6) in ("host", "mlx", "sortfree")
+    assert not selfcheck.usable()
+    assert dispatch.auto_method(10**6) in ("host", "mlx", "sortfree")
 
 
 def test_cuda_kernel_shapes_fit_the_block():
@@ -196,7 +198,7 @@ def test_cuda_step_parts_match_the_portable_step(dtype, T, n_q, n_kv, d, K, kept
     # selection given that LUT, exactly (ties included: K = 8 makes huge tie buckets; a small S makes the slot cut
     # bind, level 1 at S = 256 and level-2 ties at S = 60); the attention against the portable attention over that
     # set. A kernel that loses a ballot prefix, a chunk's rank, a radix digit or a tie shows here.
-    diff = cuda_decode.compare_parts(T=T, n_q=n_q, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=T, kept=kept, S=S)
+    diff = selfcheck.compare_parts(T=T, n_q=n_q, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=T, kept=kept, S=S)
     assert diff["lut_rel_err"] <= 1e-5, diff
     assert diff["same_selection"], diff
     assert diff["cut"] == (S is not None), diff
@@ -240,18 +242,18 @@ def test_self_check_bound_covers_each_dtype_rounding():
     # the attention bound of the self-check must admit one ulp of the output dtype (both sides round to it) and
     # nothing near a real error: float16 within 2 ulps, bfloat16 within 3 (the H200 check differed by 3.2e-3)
     for name, ulp in (("float32", 2.0 ** -23), ("float16", 2.0 ** -10), ("bfloat16", 2.0 ** -7)):
-        assert ulp <= cuda_decode.SELF_CHECK_ATTN_REL[name] <= max(2e-3, 1.3 * ulp), name
+        assert ulp <= selfcheck.SELF_CHECK_ATTN_REL[name] <= max(2e-3, 1.3 * ulp), name
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend (the kernels are CUDA source)")
 def test_auto_takes_the_cuda_step_where_it_is_usable():
-    assert cuda_decode.usable()
-    assert fast_decode.auto_method(10 ** 6, G=4, d=128, dv=128, K=4096) == "cuda"
-    assert fast_decode.auto_method(10 ** 6, G=4, d=80, dv=80, K=4096) == "sortfree"
+    assert selfcheck.usable()
+    assert dispatch.auto_method(10 ** 6, G=4, d=128, dv=128, K=4096) == "cuda"
+    assert dispatch.auto_method(10 ** 6, G=4, d=80, dv=80, K=4096) == "sortfree"
 
 
 def test_decode_profile_brackets_one_step_and_reads_ncu_csv(tmp_path):
-    from a2ats_ref import decode_profile
+    from a2ats_ref.bench import decode_profile
 
     info = decode_profile.profile_step("sortfree", 1024, "float32")
     assert info["T"] == 1024 and info["method"] == "sortfree" and info["graph_build_ms_median"] > 0
@@ -269,7 +271,7 @@ def test_decode_profile_brackets_one_step_and_reads_ncu_csv(tmp_path):
 
 
 def test_decode_profile_parts_times_the_cuda_step_or_says_where_it_runs():
-    from a2ats_ref import decode_profile
+    from a2ats_ref.bench import decode_profile
 
     if not ON_CUDA:
         with pytest.raises(SystemExit, match="MLX's CUDA backend"):
@@ -282,7 +284,7 @@ def test_decode_profile_parts_times_the_cuda_step_or_says_where_it_runs():
 
 
 def test_decode_profile_pipelined_keeps_one_step_in_flight_and_times_both():
-    from a2ats_ref import decode_profile
+    from a2ats_ref.bench import decode_profile
 
     calls = []
 
@@ -299,7 +301,7 @@ def test_decode_profile_pipelined_keeps_one_step_in_flight_and_times_both():
 
 # --------------------------------------------------------------------------- the suite's MLX process settings
 def _child_jit_cache(env):
-    code = ("import os; from a2ats_ref.suite_env import pin_suite_process; pin_suite_process(); "
+    code = ("import os; from a2ats_conformance.suite_env import pin_suite_process; pin_suite_process(); "
             "d = os.environ['MLX_PTX_CACHE_DIR']; print(d, os.environ.get('A2ATS_PTX_CACHE_OWNER'), os.getpid(), "
             "os.path.isdir(d), os.environ['MLX_ENABLE_TF32'])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -310,7 +312,7 @@ def test_every_suite_process_gets_a_jit_cache_of_its_own():
     # MLX CUDA's JIT shares one PTX directory between processes and writes it unlocked: a worker loaded a kernel
     # another was still writing (H200, 24c1996). This process (conftest) and a child that inherits its
     # environment, as xdist and the conformance CLI's workers do, each get their own directory.
-    from a2ats_ref.suite_env import OWNER
+    from a2ats_conformance.suite_env import OWNER
 
     mine = os.environ["MLX_PTX_CACHE_DIR"]
     assert os.environ[OWNER] == str(os.getpid()) and os.path.isdir(mine)
@@ -328,12 +330,12 @@ def test_a_child_starts_with_the_modules_that_earlier_children_compiled(tmp_path
     # test run went past 575 s). A child publishes its modules to the pool when it exits; the next one starts
     # with them, and a file MLX never reads (a .cu, a half-copied ".part-") does not travel. The children share a
     # pool of this test's own: on a GPU the run's pool holds real modules.
-    from a2ats_ref.suite_env import POOL, POOL_OWNER
+    from a2ats_conformance.suite_env import POOL, POOL_OWNER
 
-    writes = ("import os, pathlib; from a2ats_ref.suite_env import pin_suite_process; pin_suite_process(); "
+    writes = ("import os, pathlib; from a2ats_conformance.suite_env import pin_suite_process; pin_suite_process(); "
               "d = pathlib.Path(os.environ['MLX_PTX_CACHE_DIR']); (d / 'n').mkdir(); "
               "[(d / f).write_text(f) for f in ('m1.ptx', 'm1.txt', 'm1.cu', 'n/m2.ptx', 'n/m2.txt', '.part-x')]")
-    reads = ("import os, pathlib; from a2ats_ref.suite_env import pin_suite_process; pin_suite_process(); "
+    reads = ("import os, pathlib; from a2ats_conformance.suite_env import pin_suite_process; pin_suite_process(); "
              "d = pathlib.Path(os.environ['MLX_PTX_CACHE_DIR']); "
              "print(sorted(str(p.relative_to(d)) + '=' + p.read_text() for p in d.rglob('*') if p.is_file()))")
     env = dict(os.environ, **{POOL: str(tmp_path), POOL_OWNER: "1"})
@@ -346,7 +348,7 @@ def test_a_child_starts_with_the_modules_that_earlier_children_compiled(tmp_path
 def test_a_module_enters_the_pool_names_first(tmp_path, monkeypatch):
     # MLX reads a module once its .ptx exists, then its kernel names from the .txt: a .ptx renamed into the pool
     # before its .txt could be read with no names, the same broken load as a half-written file.
-    from a2ats_ref import suite_env
+    from a2ats_conformance import suite_env
 
     src, dst = tmp_path / "src", tmp_path / "dst"
     (src / "n").mkdir(parents=True)
@@ -365,7 +367,7 @@ def test_a_module_enters_the_pool_names_first(tmp_path, monkeypatch):
 def test_between_tests_a_worker_shares_what_it_compiled_and_takes_what_others_did(tmp_path, monkeypatch):
     # conftest calls exchange() after every test: the pytest workers live until the run ends, and each would
     # otherwise compile every kernel the others already had.
-    from a2ats_ref import suite_env
+    from a2ats_conformance import suite_env
 
     mine, pool = tmp_path / "mine", tmp_path / "pool"
     mine.mkdir(), pool.mkdir()

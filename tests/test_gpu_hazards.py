@@ -16,7 +16,8 @@ import functools
 import sys
 import types
 
-from a2ats_ref.hook import enable_a2ats  # first: a2ats_ref preloads the BLAS before mlx loads
+from a2ats_ref.runtime.hook import enable_a2ats  # first: a2ats_ref preloads the BLAS before mlx loads
+from a2ats_ref.runtime.decode import dispatch
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -75,7 +76,7 @@ class _Guard:
 def gpu_paths(monkeypatch):
     """Install the guard in every a2ats_ref module that imported mlx.core as `mx`; yields the list of findings.
     Compiled graphs cached before are dropped, so each is traced (and checked) again."""
-    import a2ats_ref.fast_decode as fd
+    import a2ats_ref.runtime.decode.portable as fd
 
     found: list = []
     guard = _Guard(mx, found)
@@ -93,7 +94,7 @@ def gpu_paths(monkeypatch):
 
 
 def test_the_guard_sees_an_empty_array_enter_an_op(gpu_paths):
-    import a2ats_ref.fast_decode as fd
+    import a2ats_ref.runtime.decode.portable as fd
 
     fd.mx.concatenate([fd.mx.zeros((2, 0)), fd.mx.ones((2, 3))], axis=1)
     assert gpu_paths and "mx.concatenate(shape (2, 0))" in gpu_paths[0]
@@ -109,7 +110,7 @@ def _decode_cases():
 
 
 def test_decode_step_never_hands_an_empty_array_to_an_op(gpu_paths):
-    from a2ats_ref import fast_decode as fd
+    from a2ats_ref.runtime.decode import portable as fd
 
     rng = np.random.default_rng(0)
     n_q, n_kv, d = 4, 2, 16
@@ -121,7 +122,7 @@ def test_decode_step_never_hands_an_empty_array_to_an_op(gpu_paths):
         codes = mx.array(rng.integers(0, K, (1, n_kv, T)).astype(np.uint16))
         CT = fd.prepare_codebook(mx.array(rng.standard_normal((n_kv, K, d)).astype(np.float32)))
         for counts in (None, (fd.code_counts(codes, K), T)):
-            out, mask = fd.decode_step_fast(q, kv, kv, codes, CT, query_pos=T - 1, b=64, w=w, sinks=sinks, topk=topk,
+            out, mask = dispatch.decode_step_fast(q, kv, kv, codes, CT, query_pos=T - 1, b=64, w=w, sinks=sinks, topk=topk,
                                             inv_freqs=inv, traditional=False, code_counts=counts, return_mask=True)
             mx.eval(out, mask)
             seen += 1

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models import gpt2, llama, phi3, qwen2
 
-from a2ats_ref.hook import SUPPORTED_MODULES, a2ats_enabled, disable_a2ats, enable_a2ats
+from a2ats_ref.runtime.hook import SUPPORTED_MODULES, a2ats_enabled, disable_a2ats, enable_a2ats
 from test_cache_support import a2ats_caches, kv_caches, run, tiny_llama, tokens
 
 
@@ -96,14 +96,14 @@ def test_refuses_models_it_cannot_handle(make, match):
     with pytest.raises(ValueError):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from a2ats_ref.cache import make_a2ats_cache
+            from a2ats_ref.runtime.cache import make_a2ats_cache
 
             make_a2ats_cache(model, allow_random_codebook=True)
 
 
 def test_refuses_unlisted_module(monkeypatch):
     model = tiny_llama()
-    monkeypatch.setattr("a2ats_ref.hook.SUPPORTED_MODULES", ("mlx_lm.models.qwen2",))
+    monkeypatch.setattr("a2ats_ref.runtime.hook.SUPPORTED_MODULES", ("mlx_lm.models.qwen2",))
     with pytest.raises(ValueError, match="does not cover"):
         enable_a2ats(model)
 
@@ -149,7 +149,7 @@ def test_decode_with_explicit_mask_is_refused():
 def test_enable_applies_the_allocator_setting_unless_turned_off(monkeypatch):
     """Library speed = benchmark speed: enable_a2ats applies fast_decode.tune_allocator by default;
     A2ATS_TUNE_ALLOCATOR=0 or tune_allocator=False leaves malloc alone; a bad value names the variable."""
-    from a2ats_ref import fast_decode
+    from a2ats_ref.runtime.decode import portable as fast_decode
 
     calls = []
     monkeypatch.setattr(fast_decode, "tune_allocator", lambda: calls.append(1) or True)

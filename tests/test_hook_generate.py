@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate, generate_step, stream_generate
 
-from a2ats_ref.hook import enable_a2ats
+from a2ats_ref.runtime.hook import enable_a2ats
 from test_cache_support import VOCAB, a2ats_caches, kv_caches, tiny_llama, tokens
 
 

@@ -27,13 +27,11 @@ from a2ats_ref.eq15_cholesky import cholesky
 from a2ats_ref.eq16_z_transform import assign_z, z_transform
 from a2ats_ref.eq17_kmeans import kmeans, kmeanspp_init, lloyd_step
 from a2ats_ref.eq18_back_transform import back_transform
-from a2ats_ref.fast_decode import decode_step_fast, prepare_codebook
+from a2ats_ref.runtime.decode.portable import prepare_codebook
+from a2ats_ref.runtime.decode.dispatch import decode_step_fast
 from a2ats_ref.prefill import prefill_attention
-from a2ats_ref.retrieval import (
-    decode_step, lut_scores, retrieval_attention, select_tokens, token_scores, topk_count,
-)
-from a2ats_ref.rope import (applied_cos_sin, fast_rope_args, rope_apply, rope_inv_freqs, rope_invert,
-                            rope_params_from_module, rotate_by_tables)
+from a2ats_ref.retrieval import decode_step, lut_scores, retrieval_attention, select_tokens, token_scores, topk_count
+from a2ats_ref.rope import applied_cos_sin, fast_rope_args, rope_apply, rope_inv_freqs, rope_invert, rope_params_from_module, rotate_by_tables
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

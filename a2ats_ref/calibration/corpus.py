@@ -85,7 +85,7 @@ def uuid_text(n_lines: int, seed: int, sep: str = "\n") -> str:
 
 @dataclass
 class Corpus:
-    """Token sequences ready for :func:`a2ats_ref.collect.collect` plus a description for metadata."""
+    """Token sequences ready for :func:`a2ats_ref.calibration.collect.collect` plus a description for metadata."""
 
     sequences: list = field(default_factory=list)
     text_tokens: int = 0

@@ -6,7 +6,7 @@ Arrays, for every layer l (all KV heads of the layer stacked):
 The key-space codebook C = Cz L^-1 (EQ-18) is derived on load by the cache, not stored.
 
 Metadata (safetensors string map): ``format`` = "a2ats-codebook", ``format_version`` = "1",
-``checksums`` = SHA-256 of every array (a2ats_ref.fileio, verified on load), and ``a2ats`` = a JSON
+``checksums`` = SHA-256 of every array (a2ats_ref.files.atomic, verified on load), and ``a2ats`` = a JSON
 object with the package version, the model identity (architecture, layer and head counts, head_dim,
 RoPE base/scaling/layout, weights fingerprint), b, K, the token counts, the corpus description and
 the seed.
@@ -22,8 +22,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .checks import check_cholesky_conditioning
-from .fileio import CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, verify_checksums
+from a2ats_ref.checks import check_cholesky_conditioning
+from a2ats_ref.files.atomic import CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, verify_checksums
 
 FORMAT_NAME = "a2ats-codebook"
 FORMAT_VERSION = "1"
@@ -64,7 +64,7 @@ class Codebook:
     K = property(lambda self: self.cz[0].shape[1])
     head_dim = property(lambda self: self.cz[0].shape[2])
 
-    # ---- what a2ats_ref.cache.A2ATSCodebook.coerce reads
+    # ---- what a2ats_ref.runtime.cache.A2ATSCodebook.coerce reads
     @property
     def Cz(self) -> mx.array:
         """(n_layers, n_kv, K, d) stacked z-space codebooks."""
@@ -84,8 +84,8 @@ class Codebook:
         return self.cz[layer], self.Ls[layer]
 
     def to_cache_codebook(self):
-        """The cache's in-memory form (a2ats_ref.cache.A2ATSCodebook)."""
-        from .cache import A2ATSCodebook
+        """The cache's in-memory form (a2ats_ref.runtime.cache.A2ATSCodebook)."""
+        from a2ats_ref.runtime.cache import A2ATSCodebook
 
         return A2ATSCodebook(self.cz, self.Ls)
 
@@ -180,7 +180,7 @@ class Codebook:
             )
         fp = None
         if check_weights and mine.get("weights_fingerprint"):
-            from .gguf import weights_fingerprint
+            from a2ats_ref.files.gguf import weights_fingerprint
 
             fp = weights_fingerprint(model)
         ident = model_identity(model, fingerprint=fp)
@@ -233,7 +233,7 @@ def _check_arrays(cz, Ls, *, where: str) -> None:
 
 def model_identity(model, *, fingerprint: str | None = None) -> dict:
     """What a codebook records about the model it was calibrated on."""
-    from .collect import attention_layers, head_counts
+    from a2ats_ref.calibration.collect import attention_layers, head_counts
 
     attns = attention_layers(model)
     n_q, n_kv, d = head_counts(attns[0])

@@ -5,7 +5,7 @@ Per (layer, KV head):
 2. EQ-15  H = L L^T;
 3. EQ-16  z = k L for every calibration key (pre-RoPE);
 4. EQ-17  k-means++ and Lloyd in z-space, K codewords (default 4096), at most 300 steps, tol 1e-4.
-The file stores Cz and L per layer (a2ats_ref.codebook); C = Cz L^-1 (EQ-18) is derived on load.
+The file stores Cz and L per layer (a2ats_ref.runtime.codebook); C = Cz L^-1 (EQ-18) is derived on load.
 
 Reproducible: the corpus order is fixed, the UUID tail and every k-means seed derive from --seed
 (k-means seed of (layer l, head h) = SeedSequence([seed, l, h]).generate_state(1)[0]).
@@ -33,15 +33,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from . import _blas  # already preloaded by a2ats_ref/__init__.py, before mlx.core
-from . import collect as _collect
-from .codebook import Codebook, model_identity
-from .corpus import build_corpus
-from .eq15_cholesky import cholesky
-from .eq16_z_transform import z_transform
-from .eq17_kmeans import init_flop, kmeans, phase_stats, seed_centres
-from .fast_decode import allocator_tuning_wanted, tune_allocator
-from .fileio import check_writable
+from a2ats_ref import _blas  # already preloaded by a2ats_ref/__init__.py, before mlx.core
+from a2ats_ref.calibration import collect as _collect
+from a2ats_ref.runtime.codebook import Codebook, model_identity
+from a2ats_ref.calibration.corpus import build_corpus
+from a2ats_ref.eq15_cholesky import cholesky
+from a2ats_ref.eq16_z_transform import z_transform
+from a2ats_ref.eq17_kmeans import init_flop, kmeans, phase_stats, seed_centres
+from a2ats_ref.runtime.decode.portable import allocator_tuning_wanted, tune_allocator
+from a2ats_ref.files.atomic import check_writable
 
 #: OPENBLAS_THREAD_TIMEOUT that a2ats-calibrate runs under unless the variable is already set: an idle OpenBLAS
 #: thread spins 2^4 cycles before it sleeps instead of OpenBLAS's default 2^28 (~0.1 s). With the default, the
@@ -205,7 +205,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
     # Fail early on models A2ATS cannot serve (no RoPE, unsupported scaling, partial rotary).
     _collect.model_rope_params(model)
     if fingerprint is None:
-        from .gguf import weights_fingerprint
+        from a2ats_ref.files.gguf import weights_fingerprint
 
         fingerprint = weights_fingerprint(model)
     identity = model_identity(model, fingerprint=fingerprint)
@@ -596,7 +596,7 @@ def _reexec_with_blas_timeout(args: list) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     env = dict(os.environ, **{BLAS_TIMEOUT_ENV: BLAS_THREAD_TIMEOUT})
-    os.execve(sys.executable, [sys.executable, "-m", "a2ats_ref.calibrate", *args], env)
+    os.execve(sys.executable, [sys.executable, "-m", "a2ats_ref.calibration.calibrate", *args], env)
 
 
 def main(argv=None) -> int:
@@ -604,7 +604,7 @@ def main(argv=None) -> int:
     if argv is None:
         _reexec_with_blas_timeout(sys.argv[1:])
     args = _parser().parse_args(argv)
-    from . import gguf
+    from a2ats_ref.files import gguf
 
     out = Path(args.out)
     partial = None

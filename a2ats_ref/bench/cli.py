@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 
-from . import _blas  # noqa: F401  (must load OpenBLAS before mlx.core is imported)
+from a2ats_ref import _blas  # noqa: F401  (must load OpenBLAS before mlx.core is imported)
 
 SCHEMA_VERSION = 1
 
@@ -41,7 +41,7 @@ def _gpu(mx) -> dict | None:
     """The GPU MLX runs on (name, memory, backend, whether float32 matmuls are TF32), None on a CPU device."""
     if mx.default_device().type != mx.gpu:
         return None
-    from .precision import tf32_active
+    from a2ats_ref.precision import tf32_active
 
     info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
     backend = "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "metal"
@@ -114,7 +114,7 @@ SPEED_SECTIONS = ("decode", "library", "update", "e2e", "conformance")
 
 def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=None, only=None, res=None) -> dict:
     """The speed sections, filled into ``res`` as each row completes (so an interrupted run keeps them)."""
-    from . import bench_speed as bs
+    from a2ats_ref.bench import speed as bs
 
     p = dict(SPEED_PROFILES[profile])
     if Ts:  # --T: these context lengths for the decode-step table and the library rows
@@ -124,7 +124,7 @@ def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=No
     res = {} if res is None else res
     res["decode_step_config"] = dict(shape, K=p["K"], topk=0.03, w=64, sinks=8, b=2048, batch=1,
                                      baseline="mlx_lm.models.base.scaled_dot_product_attention over a KVCache",
-                                     a2ats="a2ats_ref.fast_decode.decode_step_fast (method=auto)",
+                                     a2ats="a2ats_ref.runtime.decode.portable.decode_step_fast (method=auto)",
                                      timing="interleaved repetitions after warm-up; mx.eval sync; medians")
     res["decode_step"] = []
     if "decode" in want:
@@ -273,13 +273,13 @@ def speed_markdown(res: dict) -> str:
 
 
 def run_fidelity(profile: str, partial=None) -> dict:
-    from . import bench_fidelity as bf
+    from a2ats_ref.bench import fidelity as bf
 
     return bf.run(profile, partial=partial)
 
 
 def fidelity_markdown(res: dict) -> str:
-    from . import bench_fidelity as bf
+    from a2ats_ref.bench import fidelity as bf
 
     return bf.markdown(res)
 
@@ -356,13 +356,13 @@ def _term_as_interrupt(signum, frame):
 def _run(args, profile: str) -> int:
     """Exit codes: 0 results written, 2 usage or input error (message on stderr), 130 interrupted (Ctrl-C or
     SIGTERM; a speed run that measured something keeps it in ``<json>.partial``, marked ``"partial": true``)."""
-    from .fileio import check_writable
+    from a2ats_ref.files.atomic import check_writable
 
     check_writable(args.json, "--json")  # before minutes of benchmarking, not after
     if args.md:
         check_writable(args.md, "--md")
     _blas.preload()
-    from . import fast_decode
+    from a2ats_ref.runtime.decode import portable as fast_decode
 
     if args.no_tune_allocator:
         os.environ[fast_decode.TUNE_ALLOCATOR_ENV] = "0"   # enable_a2ats must not tune it behind our back

@@ -30,7 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .corpus import EVAL_PACKAGES  # held out of a2ats-calibrate's default corpus
+from a2ats_ref.calibration.corpus import EVAL_PACKAGES  # held out of a2ats-calibrate's default corpus
 
 CALIB_PACKAGES = ("email", "json", "logging", "collections", "concurrent")
 
@@ -97,8 +97,8 @@ class _Recorder:
 
 
 def _load():
-    from . import gguf
-    from .rope import rope_params_from_module
+    from a2ats_ref.files import gguf
+    from a2ats_ref.rope import rope_params_from_module
 
     model, tok, _ = gguf.load_gguf(gguf.smollm2_path(), dequantize=True)   # same values, BLAS matmuls
     attn = model.layers[0].self_attn
@@ -125,7 +125,7 @@ def _rot(x, pos, meta):
     Integer positions and float32 inv_freqs make pos * inv_freqs one correctly rounded float32
     product, the angle mlx-lm itself rotates by.
     """
-    from .rope import rotate_unchecked
+    from a2ats_ref.rope import rotate_unchecked
     pos = mx.array(np.asarray(pos, np.float32))
     return rotate_unchecked(x, pos, mx.array(meta["inv"].astype(np.float32)), meta["traditional"], 1.0)
 
@@ -304,7 +304,7 @@ def _caches(model, kind, books_full, cfg):
     from mlx_lm.models.cache import make_prompt_cache
     if kind in ("dense", "compression_only"):
         return make_prompt_cache(model)
-    from .cache import A2ATSCodebook, make_a2ats_cache
+    from a2ats_ref.runtime.cache import A2ATSCodebook, make_a2ats_cache
     n = len(model.layers)
     Cz = mx.stack([books_full[i].Cz for i in range(n)])
     L = mx.stack([books_full[i].L for i in range(n)])
@@ -319,7 +319,7 @@ def _prefill(model, cache, ids):
 def perplexity(model, meta, prof, books_full, cfg):
     from contextlib import nullcontext
 
-    from .hook import enable_a2ats
+    from a2ats_ref.runtime.hook import enable_a2ats
     enable_a2ats(model)
     ids = _TOK.encode(eval_text((prof["ppl_prefill"] + prof["ppl_tokens"]) * 8))
     ids = ids[200: 200 + prof["ppl_prefill"] + prof["ppl_tokens"] + 1]
@@ -346,7 +346,7 @@ _FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. T
 def passkey(model, meta, prof, books_full, cfg):
     from contextlib import nullcontext
 
-    from .hook import enable_a2ats
+    from a2ats_ref.runtime.hook import enable_a2ats
     enable_a2ats(model)
     rng = np.random.default_rng(0)
     n_fill = len(_TOK.encode(_FILLER))
@@ -390,7 +390,7 @@ def run(profile: str, partial=None) -> dict:
     global _TOK
     if profile in AUTHORS_PROFILES:
         return run_authors(profile, partial=partial)
-    from .cache import A2ATSConfig
+    from a2ats_ref.runtime.cache import A2ATSConfig
 
     prof = dict(PROFILES[profile])
     b, w, sinks = 2048, 64, 8
@@ -482,10 +482,10 @@ AUTHORS_PROFILES = {
 
 
 def calibration_sequences(tok, *, text_tokens, uuid_tokens, max_len, packing, seed=0):
-    """(sequences, text tokens, UUID tokens) from a2ats-calibrate's default corpus (a2ats_ref.corpus, asyncio
+    """(sequences, text tokens, UUID tokens) from a2ats-calibrate's default corpus (a2ats_ref.calibration.corpus, asyncio
     held out): packing "documents" (the authors', sequences of at most ``max_len``) or "packed" (1,024-token
     sequences, a2ats-calibrate's packing before it followed the authors)."""
-    from .corpus import build_corpus
+    from a2ats_ref.calibration.corpus import build_corpus
 
     c = build_corpus(tok, tokens=text_tokens, uuid_fraction=uuid_tokens / text_tokens, seed=seed, packing=packing,
                      seq_len=max_len if packing == "documents" else 1024)
@@ -494,7 +494,7 @@ def calibration_sequences(tok, *, text_tokens, uuid_tokens, max_len, packing, se
 
 def fit_model_books(model, tok, *, text_tokens, uuid_tokens, max_len, K, steps, packing, b, plain_layers=(), seed=0):
     """Query-aware books for every layer (plain VQ for ``plain_layers``) from one collection of calibration keys."""
-    from . import collect as _c
+    from a2ats_ref.calibration import collect as _c
 
     seqs, n_text, n_uuid = calibration_sequences(tok, text_tokens=text_tokens, uuid_tokens=uuid_tokens,
                                                  max_len=max_len, packing=packing, seed=seed)
@@ -746,7 +746,7 @@ def _prefilled(model, ids, books_full, cfg):
 
 
 def authors_ppl(model, meta, prof, books_full, cfg):
-    from .hook import enable_a2ats
+    from a2ats_ref.runtime.hook import enable_a2ats
     enable_a2ats(model)
     text = _TOK.encode(eval_text((200 + max(prof["ctxs"]) + prof["ppl_tokens"]) * 8))
     out = []
@@ -795,7 +795,7 @@ def _answer(model, cache, question, n=8):
 
 def authors_needles(model, meta, prof, books_full, cfg):
     """Passkey at every depth and context, plus a RULER-style multi-key needle (3 keys, one asked)."""
-    from .hook import enable_a2ats
+    from a2ats_ref.runtime.hook import enable_a2ats
     enable_a2ats(model)
     rng = np.random.default_rng(0)
     cases = []
@@ -830,7 +830,7 @@ def authors_needles(model, meta, prof, books_full, cfg):
 def packing_compare(model, meta, prof, b, w, sinks):
     """The same K and token count calibrated with the authors' packing and with a2ats-calibrate's packing:
     attention-mass recall of query-aware VQ and A2ATS perplexity on the evaluation text."""
-    from .cache import A2ATSConfig
+    from a2ats_ref.runtime.cache import A2ATSConfig
     pc = prof["pack_compare"]
     cfg = A2ATSConfig(w=w, b=b, sinks=sinks, topk=0.03)
     out = {"K": pc["K"], "lloyd_steps": pc["steps"], "text_tokens": pc["text_tokens"], "uuid_tokens": pc["uuid_tokens"]}
@@ -860,7 +860,7 @@ def run_authors(profile: str, partial=None) -> dict:
     """The authors-profile run. ``partial``: a path rewritten (JSON) after every section, so a run cut short
     keeps what it measured."""
     global _TOK
-    from .cache import A2ATSConfig
+    from a2ats_ref.runtime.cache import A2ATSConfig
 
     prof = dict(AUTHORS_PROFILES[profile])
     b, w, sinks = 2048, 64, 8
@@ -944,13 +944,13 @@ def authors_markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    """``python -m a2ats_ref.bench_fidelity packing [--text-tokens N] [--K K] [--steps S] [--ctx T] --json F``:
+    """``python -m a2ats_ref.bench.fidelity packing [--text-tokens N] [--K K] [--steps S] [--ctx T] --json F``:
     the calibration-packing comparison alone (documents vs packed, equal K and token count)."""
     import argparse
     import json
 
-    from . import _blas
-    ap = argparse.ArgumentParser(prog="python -m a2ats_ref.bench_fidelity")
+    from a2ats_ref import _blas
+    ap = argparse.ArgumentParser(prog="python -m a2ats_ref.bench.fidelity")
     ap.add_argument("what", choices=["packing"])
     ap.add_argument("--text-tokens", type=int, default=8192)
     ap.add_argument("--K", type=int, default=256)

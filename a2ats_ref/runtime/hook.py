@@ -31,9 +31,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-from . import fast_decode, prefill
-from .cache import A2ATSCache, attention_modules, _head_dims
-from .rope import rope_params_from_module
+from a2ats_ref import prefill
+from a2ats_ref.runtime.decode import portable as fast_decode
+from a2ats_ref.runtime.cache import A2ATSCache, attention_modules, _head_dims
+from a2ats_ref.rope import rope_params_from_module
 
 __all__ = ["enable_a2ats", "disable_a2ats", "a2ats_enabled", "SUPPORTED_MODULES"]
 
@@ -71,7 +72,7 @@ def _make_dispatcher(original):
 
     scaled_dot_product_attention._a2ats_dispatcher = True
     scaled_dot_product_attention._a2ats_original = original
-    scaled_dot_product_attention.__doc__ = "A2ATS dispatcher (a2ats_ref.hook); non-A2ATS caches go to mlx-lm."
+    scaled_dot_product_attention.__doc__ = "A2ATS dispatcher (a2ats_ref.runtime.hook); non-A2ATS caches go to mlx-lm."
     return scaled_dot_product_attention
 
 

@@ -3,7 +3,7 @@
 Each function recomputes one fact about the authors' released code (github junhuihe-hjh/A2ATS, commit
 71f10b0) from first principles, so the numbers SPEC quotes come from a command:
 
-    python -m a2ats_ref.authors_checks          # prints JSON
+    python -m a2ats_ref.bench.authors_checks          # prints JSON
 
 * ``kernel_attention_gap``: their kernel path (``vqkey/models/llama.py``) feeds the query rotated to the
   far position b, with keys rotated at their true positions, to exact attention, i.e. it attends at relative

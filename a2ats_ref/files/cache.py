@@ -4,7 +4,7 @@ Arrays: per layer i, `{i}.keys`, `{i}.values` (post-RoPE, as cached), `{i}.codes
 `{i}.inv_freqs`. JSON metadata (safetensors string metadata, never pickle):
 format name and version, a SHA-256 of every array (verified on load), and per layer
 the config, RoPE layout, offset, shapes, dtypes and a SHA-256 fingerprint of the
-codebook the codes were computed with. Saving is atomic (a2ats_ref.fileio). Loading needs that same codebook; a different one is rejected, because the codes
+codebook the codes were computed with. Saving is atomic (a2ats_ref.files.atomic). Loading needs that same codebook; a different one is rejected, because the codes
 would not mean anything under it.
 
 mlx-lm's save_prompt_cache/load_prompt_cache cannot round-trip an A2ATSCache:
@@ -23,10 +23,10 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .cache import A2ATSCache, A2ATSCodebook, A2ATSConfig, LayerCodebook
-from .codes import mx_code_dtype
-from .fileio import CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, verify_checksums
-from .rope import fast_rope_from_json, fast_rope_to_json
+from a2ats_ref.runtime.cache import A2ATSCache, A2ATSCodebook, A2ATSConfig, LayerCodebook
+from a2ats_ref.codes import mx_code_dtype
+from a2ats_ref.files.atomic import CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, verify_checksums
+from a2ats_ref.rope import fast_rope_from_json, fast_rope_to_json
 
 __all__ = ["save_a2ats_cache", "load_a2ats_cache", "FORMAT", "VERSION", "codebook_fingerprint"]
 
@@ -55,7 +55,7 @@ def save_a2ats_cache(path, caches, metadata: Optional[dict] = None) -> None:
     """Save A2ATS caches (one per layer, as from make_a2ats_cache) to `path` (.safetensors).
 
     metadata: optional dict of str -> str stored alongside (returned by load_a2ats_cache(..., return_metadata=True)).
-    Atomic (a2ats_ref.fileio): an interrupted save leaves the previous file intact. Every array's
+    Atomic (a2ats_ref.files.atomic): an interrupted save leaves the previous file intact. Every array's
     SHA-256 is stored and verified on load.
     """
     path = _check_path(path)

@@ -12,7 +12,7 @@ about to leave it (one codebook read per ~w tokens instead of one per token), an
 codes_view()/state assign whatever is pending on demand. A code does not depend on
 when it is computed, so every clause sees the same codes as with eager assignment.
 
-Attention itself is chosen by the hook (a2ats_ref.hook.enable_a2ats):
+Attention itself is chosen by the hook (a2ats_ref.runtime.hook.enable_a2ats):
 query length 1 -> `A2ATSCache.decode` (RET-DECODE: LUT scores from the codes,
 top-k per query head, GQA union, sinks + window, exact attention over the
 selected post-RoPE keys); query length > 1 -> mlx-lm's own dense causal
@@ -41,15 +41,15 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from . import checks
-from .codes import mx_code_dtype
-from .eq12_far_keys import far_keys_unchecked
-from .eq16_z_transform import assign_z_unchecked, z_space_operands
-from .eq18_back_transform import back_transform
-from .fast_decode import decode_step_fast, prepare_codebook
-from .retrieval import attention_scale, gqa_group
-from .rope import (applied_cos_sin, fast_rope_args, fast_rope_from_json, fast_rope_to_json, rope_params_from_module,
-                   rotate_by_tables)
+from a2ats_ref import checks
+from a2ats_ref.codes import mx_code_dtype
+from a2ats_ref.eq12_far_keys import far_keys_unchecked
+from a2ats_ref.eq16_z_transform import assign_z_unchecked, z_space_operands
+from a2ats_ref.eq18_back_transform import back_transform
+from a2ats_ref.runtime.decode.portable import prepare_codebook
+from a2ats_ref.runtime.decode.dispatch import decode_step_fast
+from a2ats_ref.retrieval import attention_scale, gqa_group
+from a2ats_ref.rope import applied_cos_sin, fast_rope_args, fast_rope_from_json, fast_rope_to_json, rope_params_from_module, rotate_by_tables
 
 __all__ = [
     "A2ATSConfig",
@@ -513,12 +513,12 @@ class A2ATSCache(_BaseCache):
         """Rebuild from `state` and `meta_state`; needs this layer's codebook.
 
         mlx-lm's load_prompt_cache cannot call this (it only rebuilds its own classes and passes no
-        codebook): use a2ats_ref.cache_io.load_a2ats_cache(path, codebook) instead.
+        codebook): use a2ats_ref.files.cache.load_a2ats_cache(path, codebook) instead.
         """
         if codebook is None or meta_state is None:
             raise ValueError(
                 "A2ATSCache.from_state needs meta_state and codebook=<LayerCodebook>; to load a saved cache "
-                "use a2ats_ref.cache_io.load_a2ats_cache(path, codebook) (mlx-lm's load_prompt_cache cannot)"
+                "use a2ats_ref.files.cache.load_a2ats_cache(path, codebook) (mlx-lm's load_prompt_cache cannot)"
             )
         cfg_json, rope_json = meta_state
         r = json.loads(rope_json)
@@ -675,10 +675,10 @@ def make_a2ats_cache(
     codebook: an A2ATSCodebook (or .Cz/.L object, or (Cz, L)) calibrated for this model; it must
     match the layer count, n_kv_heads and head_dim. Without one this raises, unless
     allow_random_codebook=True (wiring tests only: a random codebook is built and a warning issued).
-    validate: a codebook that carries calibration metadata (a2ats_ref.codebook.Codebook) is checked
+    validate: a codebook that carries calibration metadata (a2ats_ref.runtime.codebook.Codebook) is checked
     against the model and config.b with its validate_against (model identity, weights fingerprint,
     b) and refused with a CodebookError naming every mismatch; validate=False skips that check.
-    Call a2ats_ref.hook.enable_a2ats(model) once so the model's attention uses the caches.
+    Call a2ats_ref.runtime.hook.enable_a2ats(model) once so the model's attention uses the caches.
     """
     config = A2ATSConfig() if config is None else config
     if not isinstance(config, A2ATSConfig):

@@ -1,6 +1,6 @@
 """PRECISION, EQ-12 on the device — the device facts README's GPU section quotes, measured on this machine.
 
-    python -m a2ats_ref.gpu_facts [--json F]
+    python -m a2ats_ref.bench.gpu_facts [--json F]
 
 Prints (and writes as JSON) for the default MLX device: whether float32 matmuls are TF32 and the
 relative error of a plain float32 matmul and of precision.mm; the largest de-rotation error, over
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import _blas
+from a2ats_ref import _blas
 
 _blas.preload()
 
@@ -21,8 +21,8 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
-from . import precision, rope  # noqa: E402
-from .eq17_kmeans import kmeans  # noqa: E402
+from a2ats_ref import precision, rope  # noqa: E402
+from a2ats_ref.eq17_kmeans import kmeans  # noqa: E402
 
 
 def _matmul_errors() -> dict:
@@ -60,7 +60,7 @@ def _kmeans_repeatable() -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m a2ats_ref.gpu_facts", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m a2ats_ref.bench.gpu_facts", description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="also write the facts here")
     args = ap.parse_args(argv)
     facts = {"device": str(mx.default_device()), "mlx": mx.__version__, "matmul": _matmul_errors(),

@@ -1,21 +1,21 @@
 """RET-DECODE under a kernel profiler: one decode step, bracketed so a profiler sees that step alone.
 
     ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \\
-        python -m a2ats_ref.decode_profile --method cuda --T 262144 --dtype float16 > step.csv
-    python -m a2ats_ref.decode_profile --summarize step.csv
+        python -m a2ats_ref.bench.decode_profile --method cuda --T 262144 --dtype float16 > step.csv
+    python -m a2ats_ref.bench.decode_profile --summarize step.csv
 
 The step runs at Llama-3.1-8B shapes on a2ats-bench's inputs (bench_speed.decode_step_inputs), warmed up (every
 kernel compiled) before cudaProfilerStart; `--method dense` profiles mlx-lm's attention instead. It also prints
 the host time to build the step's graph (no eval), the part of a step a GPU waits on when kernels are short.
 No timing claims come from a profiled run: ratios come from a2ats-bench.
 
-    python -m a2ats_ref.decode_profile --parts --T 262144 --dtype float16     # MLX CUDA only
+    python -m a2ats_ref.bench.decode_profile --parts --T 262144 --dtype float16     # MLX CUDA only
 
 times, interleaved in one loop, dense, the CUDA step as decode_step_fast runs it, the same with its per-step
 parameter array reused (what a fresh host array costs), and each of its kernels alone on fixed inputs (what a
 launch costs), with the scan alone (the mask kernel): the breakdown README's GPU section quotes.
 
-    python -m a2ats_ref.decode_profile --pipelined --T 262144 --dtype float16
+    python -m a2ats_ref.bench.decode_profile --pipelined --T 262144 --dtype float16
 
 times dense and the step (--method, default auto) as a generation loop runs them: mlx-lm's generate_step builds
 the next token's graph while the device computes the current one (mx.async_eval), so a step's host work hides
@@ -33,14 +33,16 @@ import os
 import sys
 import time
 
-from . import _blas
+from a2ats_ref import _blas
 
 _blas.preload()
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from . import bench_speed, fast_decode  # noqa: E402
+from a2ats_ref.bench import speed as bench_speed  # noqa: E402
+from a2ats_ref.runtime.decode import dispatch  # noqa: E402
+from a2ats_ref.runtime.decode import portable as fast_decode  # noqa: E402
 
 
 def _cudart():
@@ -68,7 +70,7 @@ def _case(T: int, dtype_name: str):
 def profile_step(method: str, T: int, dtype_name: str) -> dict:
     x, kw, dense = _case(T, dtype_name)
     step = dense if method == "dense" else (
-        lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method=method, **kw))
+        lambda: dispatch.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method=method, **kw))
     for _ in range(3):
         mx.eval(step())
     builds = []
@@ -91,8 +93,8 @@ def profile_step(method: str, T: int, dtype_name: str) -> dict:
 
 def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
     """Median ms of the step and of its parts (see the module docstring); needs MLX's CUDA backend."""
-    from . import cuda_decode as cd
-    from .retrieval import topk_count
+    from a2ats_ref.runtime.decode import cuda as cd
+    from a2ats_ref.retrieval import topk_count
 
     if not cd.on_cuda():
         raise SystemExit("--parts times the CUDA kernels: run it on MLX's CUDA backend")
@@ -107,7 +109,7 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
                         b=float(kw["b"]), query_pos=float(T - 1), scale=scale, chunk=chunk)
     tab, lv, nsel = cd.select(x["q"], x["CT"], inv, counts, x["codes"], ip, traditional=False)
     mx.eval(ip, tab, lv, nsel)
-    step = lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method="cuda", **kw)
+    step = lambda: dispatch.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method="cuda", **kw)
     real_params = cd.step_params
 
     def step_reused_params():
@@ -149,7 +151,7 @@ def pipelined(T: int, dtype_name: str, method: str = "auto", *, steps: int = 50,
     """Dense and the A2ATS step in generation-loop order (_pipelined_ms), alternating blocks of `steps` steps:
     median ms per step and the median of the per-block ratios (dense / A2ATS)."""
     x, kw, dense = _case(T, dtype_name)
-    step = lambda: fast_decode.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method=method, **kw)
+    step = lambda: dispatch.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method=method, **kw)
     for f in (dense, step):   # compile every kernel and graph first
         _pipelined_ms(f, 3)
     d, a = [], []
@@ -179,7 +181,7 @@ def summarize(path: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m a2ats_ref.decode_profile", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m a2ats_ref.bench.decode_profile", description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="auto", choices=("dense",) + fast_decode.METHODS)
     ap.add_argument("--T", type=int, default=262144)
     ap.add_argument("--dtype", default="float16", choices=tuple(bench_speed.DTYPES))

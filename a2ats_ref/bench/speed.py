@@ -15,8 +15,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from . import fast_decode
-from .codes import code_dtype, mx_code_dtype
+from a2ats_ref.runtime.decode import portable as fast_decode
+from a2ats_ref.runtime.decode import dispatch, selfcheck
+from a2ats_ref.codes import code_dtype, mx_code_dtype
 
 LLAMA31_8B = dict(n_q=32, n_kv=8, d=128)
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -111,14 +112,14 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
 
     def a2ats(method):
         y, k = (host_x, host_kw) if method == "host" else (x, kw)
-        return lambda: fast_decode.decode_step_fast(y["q"], y["k"], y["v"], y["codes"], y["CT"], method=method, **k)
+        return lambda: dispatch.decode_step_fast(y["q"], y["k"], y["v"], y["codes"], y["CT"], method=method, **k)
 
     shape = dict(G=n_q // n_kv, d=d, K=K, n_kv=n_kv, dtype=dtype)
-    auto = fast_decode.auto_method(T - w - sinks, dv=d, **shape)
+    auto = dispatch.auto_method(T - w - sinks, dv=d, **shape)
     fns = {"dense": dense, "a2ats": a2ats(auto)}
     if both_methods:
-        from . import cuda_decode
-        for m in SELECT_METHODS + (("cuda",) if cuda_decode.usable(**shape) else ()):
+        from a2ats_ref.runtime.decode import cuda as cuda_decode
+        for m in SELECT_METHODS + (("cuda",) if selfcheck.usable(**shape) else ()):
             if m != auto:
                 fns["a2ats_" + m] = a2ats(m)
     on_cpu = mx.default_device().type == mx.cpu
@@ -166,7 +167,7 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
 #: on a GPU, each decode-step loop's repetitions per requested repetition, and its untimed warm-up steps
 GPU_REPS_PER_REP, GPU_WARMUP = 5, 10
 
-#: the selection methods a decode-step row times beside dense (fast_decode.decode_step_fast's method=)
+#: the selection methods a decode-step row times beside dense (dispatch.decode_step_fast's method=)
 SELECT_METHODS = ("mlx", "sortfree", "host")
 
 
@@ -195,7 +196,7 @@ def dtype_ratio_case(T: int, dtypes, *, reps: int, n_q: int, n_kv: int, d: int, 
         dt = DTYPES[name]
         q, k, v = (a.astype(dt) for a in (x32["q"], x32["k"], x32["v"]))
         mx.eval(q, k, v)
-        fns[name] = (lambda q=q, k=k, v=v: fast_decode.decode_step_fast(q, k, v, x32["codes"], x32["CT"], **kw))
+        fns[name] = (lambda q=q, k=k, v=v: dispatch.decode_step_fast(q, k, v, x32["codes"], x32["CT"], **kw))
     res = interleaved(fns, reps=reps)
     base = res["float32"]["times_ms"]
     ratios = {n: paired_ratio(r["times_ms"], base) for n, r in res.items() if n != "float32"}
@@ -257,8 +258,8 @@ def library_decode_case(T: int, dtype_name: str, *, tokens: int = 8, rounds: int
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .cache import make_a2ats_cache, random_codebook
-    from .hook import enable_a2ats
+    from a2ats_ref.runtime.cache import make_a2ats_cache, random_codebook
+    from a2ats_ref.runtime.hook import enable_a2ats
 
     shape = dict(LLAMA31_8B if shape is None else shape)
     n_q, n_kv, d = shape["n_q"], shape["n_kv"], shape["d"]
@@ -294,7 +295,7 @@ def library_decode_case(T: int, dtype_name: str, *, tokens: int = 8, rounds: int
     for r in range(rounds):
         for name in (("dense", "a2ats") if r % 2 == 0 else ("a2ats", "dense")):
             one_round(name, caches[name])
-    from .fast_decode import allocator_tuned
+    from a2ats_ref.runtime.decode.portable import allocator_tuned
 
     dm, am = float(np.median(times["dense"])), float(np.median(times["a2ats"]))
     return {"T": T, "dtype": dtype_name, "dense_ms_per_token": dm, "a2ats_ms_per_token": am,
@@ -312,7 +313,7 @@ def _library_case_subprocess(T: int, dtype_name: str, *, env_extra: dict, tokens
     env.pop("A2ATS_TUNE_ALLOCATOR", None)
     env.update(env_extra)
     arg = json.dumps(dict(T=T, dtype_name=dtype_name, tokens=tokens, rounds=rounds, shape=shape, K=K))
-    p = subprocess.run([sys.executable, "-m", "a2ats_ref.bench_speed", "library-case", arg], env=env,
+    p = subprocess.run([sys.executable, "-m", "a2ats_ref.bench.speed", "library-case", arg], env=env,
                        capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         return {"T": T, "dtype": dtype_name, "error": p.stderr[-800:]}
@@ -348,7 +349,7 @@ def library_default_table(Ts, dtypes, *, shape=None, K: int = 4096, tokens: int 
 def _layer_codebook(n_kv: int, d: int, K: int, seed: int = 0):
     import warnings
 
-    from .cache import random_codebook
+    from a2ats_ref.runtime.cache import random_codebook
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -375,7 +376,7 @@ def cache_update_table(Ts, *, shape=None, K: int = 4096, reps: int = 3, dtype: s
     """
     from mlx_lm.models.cache import KVCache
 
-    from .cache import A2ATSCache, A2ATSConfig
+    from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig
 
     shape = dict(LLAMA31_8B if shape is None else shape)
     n_kv, d = shape["n_kv"], shape["d"]
@@ -452,7 +453,7 @@ def assignment_gemm_bound(n_kv: int, d: int, K: int, n: int, *, repeats: int = 7
     """The FLOP floor of exact batched code assignment (EQ-16): every token's distance to all K codewords of
     its KV head, 2·n_kv·d·K FLOP per token. Measured here: the batch's distance GEMM alone, (n_kv, n, d) @
     (n_kv, d, K), and a 1024³ GEMM as this machine's BLAS peak (best of ``repeats``, GFLOP/s)."""
-    from ._blas import matmul_gflops
+    from a2ats_ref._blas import matmul_gflops
 
     z = mx.random.normal((n_kv, n, d))
     CzT = mx.random.normal((n_kv, d, K))
@@ -490,7 +491,7 @@ def memory_table(Ts, *, shape=None, K: int = 4096, dtype: str = "float16") -> di
 
 def _eval_text(n_chars: int) -> str:
     """Evaluation-side text: Python stdlib sources from packages calibration does not use (see bench_fidelity)."""
-    from .bench_fidelity import eval_text
+    from a2ats_ref.bench.fidelity import eval_text
     return eval_text(n_chars)
 
 
@@ -499,14 +500,14 @@ def _load_codebook_or_random(model, n_layers, n_kv, d):
     decode speed does not depend on the codewords, and the result says which was used."""
     path = os.environ.get("A2ATS_SMOLLM2_CODEBOOK")
     if path:
-        from .codebook import Codebook
+        from a2ats_ref.runtime.codebook import Codebook
 
         cb = Codebook.load(path)
         cb.validate_against(model)
         return cb, path
     import warnings
 
-    from .cache import random_codebook
+    from a2ats_ref.runtime.cache import random_codebook
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return random_codebook(n_layers, n_kv, d, 4096), (
@@ -521,7 +522,7 @@ def _bytes_per_token(model, ctx: int, *, n_layers: int, n_q: int, n_kv: int, d: 
     reads C; the batched code assignment reads Cz once per w + 1 tokens)."""
     from mlx.utils import tree_flatten
 
-    from .fast_decode import selection_size
+    from a2ats_ref.runtime.decode.portable import selection_size
 
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     dense_kv = 2 * n_layers * n_kv * ctx * d * itemsize
@@ -566,9 +567,9 @@ def e2e_smollm2(*, ctxs=(4096,), n_tokens: int = 32, real_prefill_max: int = 819
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from . import gguf
-    from .cache import A2ATSConfig, make_a2ats_cache
-    from .hook import enable_a2ats
+    from a2ats_ref.files import gguf
+    from a2ats_ref.runtime.cache import A2ATSConfig, make_a2ats_cache
+    from a2ats_ref.runtime.hook import enable_a2ats
 
     model, tok, _ = gguf.load_gguf(gguf.smollm2_path(), dequantize=dequantize)
     attn = model.layers[0].self_attn
@@ -677,4 +678,4 @@ if __name__ == "__main__":  # pragma: no cover - the fresh process of library_de
     if len(sys.argv) == 3 and sys.argv[1] == "library-case":
         print(json.dumps(library_decode_case(**json.loads(sys.argv[2]))))
     else:
-        sys.exit("usage: python -m a2ats_ref.bench_speed library-case JSON  (used by a2ats-bench speed)")
+        sys.exit("usage: python -m a2ats_ref.bench.speed library-case JSON  (used by a2ats-bench speed)")

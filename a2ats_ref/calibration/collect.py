@@ -9,7 +9,7 @@ Capture point: each attention module calls ``self.rope(queries, offset=...)`` an
 ``self.rope(keys, offset=...)`` on the projected (and, where the model has them, q/k-normed)
 heads. Replacing the module's ``rope`` by a pass-through that records its input sees exactly
 the pre-RoPE q and k, for any architecture that follows that pattern (the ones
-``a2ats_ref.hook.SUPPORTED_MODULES`` lists). The first call of a forward pass is the queries,
+``a2ats_ref.runtime.hook.SUPPORTED_MODULES`` lists). The first call of a forward pass is the queries,
 the second the keys; the head counts are checked against the module's.
 
 Sequences are prefilled in chunks through an mlx-lm KVCache, so every chunk sees its full causal
@@ -32,8 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import _blas
-from .rope import rope_apply, rope_params_from_module
+from a2ats_ref import _blas
+from a2ats_ref.rope import rope_apply, rope_params_from_module
 
 
 def attention_layers(model) -> list:
@@ -220,7 +220,7 @@ def _attention_part(qt: np.ndarray, k: np.ndarray, vt: np.ndarray, lim: np.ndarr
     return run_max, acc
 
 
-_SDPA = "scaled_dot_product_attention"  # the name mlx-lm's model modules bind (see a2ats_ref.hook)
+_SDPA = "scaled_dot_product_attention"  # the name mlx-lm's model modules bind (see a2ats_ref.runtime.hook)
 
 
 def _host_attention(previous, sink: "_Sink"):
@@ -268,7 +268,7 @@ def _host_swiglu(previous):
 @contextlib.contextmanager
 def _collection_kernels(attns, sink: "_Sink"):
     """While collecting, bind _host_attention (and _host_swiglu where the module uses mlx-lm's ``swiglu``) in
-    each attention module's Python module, as a2ats_ref.hook does for decoding; restored on exit."""
+    each attention module's Python module, as a2ats_ref.runtime.hook does for decoding; restored on exit."""
     from mlx_lm.models import activations
 
     saved = []
