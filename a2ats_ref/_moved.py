@@ -34,22 +34,33 @@ MOVED = {
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, moved: dict[str, str]):
+        self.moved = moved
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in MOVED:
+        if fullname not in self.moved:
             return None
         return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec):
-        warnings.warn(f"{spec.name} is deprecated: import {MOVED[spec.name]}", DeprecationWarning, stacklevel=2)
-        return importlib.import_module(MOVED[spec.name])
+        new = self.moved[spec.name]
+        warnings.warn(f"{spec.name} is deprecated: import {new}", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
 
     def exec_module(self, module):
         pass   # the new module is already executed
 
     def get_code(self, fullname):   # for ``python -m <old name>``
-        return importlib.util.find_spec(MOVED[fullname]).loader.get_code(MOVED[fullname])
+        new = self.moved[fullname]
+        return importlib.util.find_spec(new).loader.get_code(new)
 
 
-def install() -> None:
-    if not any(isinstance(f, _Alias) for f in sys.meta_path):
-        sys.meta_path.append(_Alias())
+def alias_finder(moved: dict[str, str]):
+    """An ``install()`` that puts one finder for ``moved`` (old path -> new path) on sys.meta_path, once."""
+    def install() -> None:
+        if not any(isinstance(f, _Alias) and f.moved is moved for f in sys.meta_path):
+            sys.meta_path.append(_Alias(moved))
+    return install
+
+
+install = alias_finder(MOVED)

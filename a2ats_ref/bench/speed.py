@@ -662,7 +662,7 @@ def conformance_wall_time(timeout: float = 900) -> float | str:
     import shutil
     import subprocess
     exe = shutil.which("a2ats-conformance")
-    cmd = [exe, "--profile", "ci"] if exe else [sys.executable, "-m", "a2ats_conformance.cli", "--profile", "ci"]
+    cmd = [exe, "--profile", "ci"] if exe else [sys.executable, "-m", "a2ats_conformance.run.cli", "--profile", "ci"]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -17,7 +17,7 @@ import a2ats_ref  # noqa: F401  (first: it loads the fast BLAS, which must happe
 import mlx.core as mx
 import numpy as np
 
-from ..adapter import FUNCTION_NAMES
+from a2ats_conformance.harness.adapter import FUNCTION_NAMES
 
 # Where each reference function lives (a2ats_ref/__init__ may re-export them; the lead owns it).
 _MODULES = ("rope", "eq10_query_moment", "eq11_wrope_scores", "eq12_far_keys", "eq13_score_error", "eq14_assign",

@@ -59,10 +59,10 @@ ATTEND_THREADS = WARPS * 32
 CHUNK_MAX = 2048
 #: attend blocks per step that chunk_for aims at: ~8 per SM of a 132-SM H200, enough to hide the gathers' latency
 TARGET_BLOCKS = 1024
-#: the head sizes the kernels are taken for: the ones they ran correctly on the H200 (gate and tests/test_gpu.py,
-#: 8be5c36). kernels_fit admits d = 8..256, and the host emulator (tests/test_cuda_emu.py) runs d = 8 and 256
+#: the head sizes the kernels are taken for: the ones they ran correctly on the H200 (gate and tests/gpu/test_gpu.py,
+#: 8be5c36). kernels_fit admits d = 8..256, and the host emulator (tests/gpu/test_cuda_emu.py) runs d = 8 and 256
 #: correctly, but in the full GPU test run at 24c1996 a d = 8 self-check failed to load its kernel and the process
-#: then hit an illegal-address error (most likely MLX's shared JIT cache: conformance/suite_env.py). Until a GPU
+#: then hit an illegal-address error (most likely MLX's shared JIT cache: conformance/harness/suite_env.py). Until a GPU
 #: run shows them clean, other head sizes take the portable step
 RUN_HEAD_DIMS = (32, 64, 128)
 #: static shared memory a kernel may use (CUDA's limit without opt-in is 48 KB)
@@ -164,7 +164,7 @@ def _kernels():
 def mlx_launch(name: str, **spec) -> list:
     """Run kernel `name` through MLX's CUDA custom-kernel path (spec: inputs, output_shapes, output_dtypes, grid,
     threadgroup, template and optionally init_value, as mx.fast.cuda_kernel's call takes them). The functions
-    below take another launcher in `launch`; tests/cuda_emu.py runs the same specs on the host."""
+    below take another launcher in `launch`; tests/gpu/cuda_emu.py runs the same specs on the host."""
     return _kernels()[name](**spec)
 
 

@@ -61,7 +61,7 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
     the tokens only the kernels take and only the portable step takes;
     max_rel_err: the attention against the portable attention (fast_decode._attend_fn) over that selection.
     S (default: fast_decode.sortfree_width) may be set smaller to make the slot cut bind. launch runs the kernels
-    (default: MLX CUDA; tests/cuda_emu.py's host emulator runs the same sources on any machine).
+    (default: MLX CUDA; tests/gpu/cuda_emu.py's host emulator runs the same sources on any machine).
     """
     launch = cuda_decode.mlx_launch if launch is None else launch
     if not cuda_decode.kernels_fit(n_q // n_kv, d, d, K):
