@@ -29,6 +29,21 @@ def array_sha256(a: mx.array) -> str:
     return h.hexdigest()
 
 
+def ndarray_sha256(a) -> str:
+    """SHA-256 of a NumPy array's dtype, shape and C-order bytes (the resume state of a2ats-calibrate)."""
+    import numpy as np
+
+    a = np.ascontiguousarray(a)
+    h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
+    h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def text_sha256(text: str) -> str:
+    """SHA-256 (hex) of a string's UTF-8 bytes: covers metadata that array checksums do not reach."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def checksums(arrays: dict) -> str:
     """The ``checksums`` metadata value for a dict of named arrays (JSON, sorted)."""
     return json.dumps({k: array_sha256(a) for k, a in arrays.items()}, sort_keys=True)
