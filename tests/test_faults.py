@@ -281,7 +281,9 @@ CODEBOOK_CHILD = """
 import a2ats_ref, numpy as np, mlx.core as mx
 from a2ats_ref.codebook import Codebook
 rng = np.random.default_rng(0)
-cb = Codebook([rng.normal(size=(2, 65536, 64)).astype(np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)])
+from test_codebook_file import identity
+cb = Codebook([rng.normal(size=(2, 65536, 64)).astype(np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)],
+              {"b": 2048, "model": identity(1, 2, 64)})
 print("go", flush=True)
 cb.save(PATH)
 """
@@ -289,7 +291,10 @@ cb.save(PATH)
 
 def test_kill_during_codebook_save_keeps_the_old_file(tmp_path):
     path = tmp_path / "cb.safetensors"
-    Codebook([np.ones((2, 8, 64), np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)]).save(path)
+    from test_codebook_file import identity
+
+    Codebook([np.ones((2, 8, 64), np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)],
+             {"b": 2048, "model": identity(1, 2, 64)}).save(path)
     _kill_mid_write(CODEBOOK_CHILD.replace("PATH", repr(str(path))), path)
     assert Codebook.load(path).K in (8, 65536)
 
