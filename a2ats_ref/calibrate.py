@@ -493,10 +493,14 @@ def _save_collected(partial: Path, g: int, settings: dict, col) -> None:
     arrays["checksums"] = np.frombuffer(sums.encode(), dtype=np.uint8)
     final = _collected_file(partial, g)
     tmp = final.with_name(final.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:  # a full disk: the write's own error names no path
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"cannot write {final}: {exc.strerror or exc} (is the disk full?)", str(final)) from None
     tmp.replace(final)
 
 
