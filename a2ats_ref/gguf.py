@@ -517,7 +517,11 @@ def load_gguf(path, *, dequantize: bool = False) -> tuple[nn.Module, object, GGU
     model.a2ats_weights_fingerprint = fingerprint
     keep = {k: _meta_value(v) for k, v in md.items() if not k.startswith("tokenizer.ggml.")}
     info = GGUFInfo(path=path, architecture=md["general.architecture"], config=config, metadata=keep, fingerprint=fingerprint)
-    return model, build_tokenizer(md), info
+    try:
+        tokenizer = build_tokenizer(md)
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception on a bad vocabulary
+        raise GGUFError(f"{path}: GGUF tokenizer metadata does not give a tokenizer ({exc})") from None
+    return model, tokenizer, info
 
 
 def load_model(path_or_dir):

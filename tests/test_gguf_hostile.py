@@ -117,6 +117,7 @@ def test_truncated_file(tmp_path):
     ("tokenizer.ggml.tokens", (ARR, (STR, byte_tokens()[:200])), "holds 200 tokens; token_embd.weight has 256"),
     ("tokenizer.ggml.tokens", (ARR, (I32, list(range(256)))), "not a list of strings"),
     ("tokenizer.ggml.merges", (ARR, (STR, ["ab"])), "'tokenizer.ggml.merges'"),
+    ("tokenizer.ggml.merges", (ARR, (STR, ["a zz"])), "tokenizer metadata does not give a tokenizer"),
     ("tokenizer.ggml.token_type", (ARR, (I32, [1] * 10)), "'tokenizer.ggml.token_type'"),
     ("tokenizer.ggml.eos_token_id", (U32, 256), "'tokenizer.ggml.eos_token_id' is 256"),
     ("tokenizer.ggml.model", (STR, "llama"), "only byte-level BPE"),
