@@ -209,6 +209,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
         raise ValueError(f"b: expected a non-negative int (relative position of far tokens), got {b!r}")
     # Fail early on models A2ATS cannot serve (no RoPE, unsupported scaling, partial rotary).
     _collect.model_rope_params(model)
+    _check_finite_parameters(model)
     if fingerprint is None:
         from .gguf import weights_fingerprint
 
@@ -377,6 +378,16 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
                  "thread_timeout": os.environ.get(BLAS_TIMEOUT_ENV)},
     }
     return Codebook(cz_layers, L_layers, meta)
+
+
+def _check_finite_parameters(model) -> None:
+    """NaN or infinite weights give a NaN codebook after the whole collection: refused by name before it."""
+    from mlx.utils import tree_flatten
+
+    for name, a in tree_flatten(model.parameters()):
+        if mx.issubdtype(a.dtype, mx.floating) and not mx.all(mx.isfinite(a)).item():
+            raise ValueError(f"model: parameter {name!r} holds NaN or infinite values; calibration would give a "
+                             "NaN codebook (is the model file corrupt?)")
 
 
 def _timed_seed(zn: np.ndarray, K: int, seed: int) -> tuple[np.ndarray, float]:

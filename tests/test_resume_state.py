@@ -107,3 +107,17 @@ def test_resumed_timings_cover_every_segment(uninterrupted, tmp_path):
         assert t_resumed[key] == t_whole[key], (key, t_resumed, t_whole)
     assert t_resumed["earlier_runs_s"] == pytest.approx(t_whole["collect_s"] + t_whole["kmeans_s"], abs=0.02)
     assert t_resumed["total_s"] >= t_resumed["earlier_runs_s"]
+
+
+def test_nonfinite_weights_are_refused_before_collection(uninterrupted, monkeypatch):
+    import mlx.core as mx
+
+    from a2ats_ref import collect as col
+
+    text, _, _ = uninterrupted
+    m = tiny_model()
+    w = m.model.layers[1].self_attn.k_proj.weight
+    m.model.layers[1].self_attn.k_proj.weight = mx.where(mx.arange(w.size).reshape(w.shape) == 3, mx.nan, w)
+    monkeypatch.setattr(col, "collect", lambda *a, **k: pytest.fail("collection started on NaN weights"))
+    with pytest.raises(ValueError, match=r"model: parameter 'model.layers.1.self_attn.k_proj.weight' holds NaN"):
+        cal.calibrate(m, ByteTokenizer(), texts=[text], **CAL)
