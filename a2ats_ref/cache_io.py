@@ -159,7 +159,7 @@ def load_a2ats_cache(path, codebook, *, return_metadata: bool = False):
     if set(arrays) != expected:
         raise err(f"arrays {sorted(set(arrays) ^ expected)[:6]} do not match the layers' offsets (an array is "
                   "missing for a layer with cached tokens, or present for one without)")
-    caches = [_load_layer(i, info, arrays, codebook.layers[i], err) for i, info in enumerate(layers)]
+    caches = [_load_layer(path, i, info, arrays, codebook.layers[i], err) for i, info in enumerate(layers)]
     return (caches, user) if return_metadata else caches
 
 
@@ -209,7 +209,7 @@ def _check_inv_freqs(inv, d, fast_rope, where, err) -> None:
                   "the keys could not be un-rotated")
 
 
-def _load_layer(i: int, info: dict, arrays: dict, lc: LayerCodebook, err) -> A2ATSCache:
+def _load_layer(path, i: int, info: dict, arrays: dict, lc: LayerCodebook, err) -> A2ATSCache:
     where = f"layer {i}"
     required = _LAYER_KEYS | ({"shapes", "dtypes"} if info.get("offset") else set())
     if set(info) != required:
@@ -219,11 +219,12 @@ def _load_layer(i: int, info: dict, arrays: dict, lc: LayerCodebook, err) -> A2A
             raise err(f"{where}: {key} is {info[key]!r}, expected an int")
     if (info["n_kv_heads"], info["head_dim"], info["K"]) != (lc.n_kv_heads, lc.head_dim, lc.K):
         raise ValueError(
-            f"codebook: layer {i} of the file has n_kv_heads={info['n_kv_heads']}, head_dim={info['head_dim']}, "
+            f"codebook: layer {i} of {path} has n_kv_heads={info['n_kv_heads']}, head_dim={info['head_dim']}, "
             f"K={info['K']}; the codebook has {lc.n_kv_heads}, {lc.head_dim}, {lc.K}"
         )
     if info["codebook_sha256"] != codebook_fingerprint(lc):
-        raise ValueError(f"codebook: layer {i} codes were computed with a different codebook (SHA-256 mismatch)")
+        raise ValueError(f"codebook: layer {i} of {path} was coded with a different codebook (SHA-256 mismatch); "
+                         "pass the codebook the cache was made with")
     if not isinstance(info["traditional"], bool):
         raise err(f"{where}: traditional is {info['traditional']!r}, expected true or false (a JSON bool)")
     off = info["offset"]

@@ -145,7 +145,7 @@ def codebook_property(n: int, folder: Path):
     import mlx.core as mx
     import numpy as np
 
-    from a2ats_ref.codebook import Codebook, CodebookError
+    from a2ats_ref.codebook import IDENTITY_KEYS, Codebook, CodebookError
     from test_codebook_file import identity
 
     rng = np.random.default_rng(0)
@@ -161,7 +161,13 @@ def codebook_property(n: int, folder: Path):
         meta = _edit_json_leaf(json.loads(md["a2ats"]), *iv)
         return _resaved(arrays, dict(md, a2ats=json.dumps(meta)), folder / "x")
 
-    _safetensors_property(n, folder, raw, Codebook.load, (CodebookError, ValueError), "cb.safetensors", edit_meta)
+    def load(p):
+        got = Codebook.load(p)
+        # a file that loads can be checked against a model: no identity field is missing
+        missing = [k for k in (*IDENTITY_KEYS, "weights_fingerprint") if k not in got.meta.get("model", {})]
+        assert "b" in got.meta and not missing, f"a codebook lacking {missing or ['b']} loaded"
+
+    _safetensors_property(n, folder, raw, load, (CodebookError, ValueError), "cb.safetensors", edit_meta)
 
 
 def cache_property(n: int, folder: Path):
@@ -185,7 +191,14 @@ def cache_property(n: int, folder: Path):
         layers = _edit_json_leaf(json.loads(md["layers"]), *iv)
         return _resaved(arrays, dict(md, layers=json.dumps(layers)), folder / "x")
 
-    _safetensors_property(n, folder, raw, lambda p: load_a2ats_cache(p, cb), ValueError, "c.safetensors", edit_meta)
+    def load(p):
+        caches = load_a2ats_cache(p, cb)
+        held = mx.load(str(p))
+        for i, c in enumerate(caches):   # a cache that loads keeps every token the file holds
+            n = held[f"{i}.keys"].shape[2] if f"{i}.keys" in held else 0
+            assert c.offset == n, f"layer {i} loaded with offset {c.offset}, the file holds {n} tokens"
+
+    _safetensors_property(n, folder, raw, load, ValueError, "c.safetensors", edit_meta)
 
 
 PROPERTIES = {"gguf": gguf_property, "codebook": codebook_property, "cache": cache_property}
