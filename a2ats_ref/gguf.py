@@ -245,10 +245,13 @@ def _parse(r, path, size) -> GGUFHeader:
     data_start = -(-r.pos // align) * align
     infos, end = {}, data_start
     for name, (shape, tname, offset, nbytes) in sorted(tensors.items(), key=lambda kv: kv[1][2]):
-        start = data_start + offset
-        if offset % align or start < end or start + nbytes > size:
-            r.fail(f"tensor {name!r}", f"data at offset {offset} ({nbytes} bytes) is not aligned to {align}, overlaps "
-                                       f"another tensor, or runs past the end of the {size}-byte file")
+        start, field = data_start + offset, f"tensor {name!r}"
+        if offset % align:
+            r.fail(field, f"data offset {offset} is not a multiple of the alignment {align}")
+        if start + nbytes > size:
+            r.fail(field, f"data at offset {offset} ({nbytes} bytes) runs past the end of the {size}-byte file")
+        if start < end:
+            r.fail(field, f"data at offset {offset} overlaps the tensor before it")
         end = start + nbytes
         infos[name] = GGUFTensorInfo(name, shape, tname, start, nbytes)
     return GGUFHeader(path=path, version=version, metadata=md, tensors={k: infos[k] for k in tensors},

@@ -87,6 +87,10 @@ def test_tensor_huge_dimension_and_offset_past_the_end(tmp_path):
     _refused(p, "'output_norm.weight'", "runs past the end")
     p.write_bytes(_patched(raw, at + 4 + 8, "<I", 77))   # its ggml type
     _refused(p, "'output_norm.weight'", "ggml type 77")
+    p.write_bytes(_patched(raw, at + 4 + 8 + 4, "<Q", 4))   # an unaligned data offset
+    _refused(p, "'output_norm.weight'", "not a multiple of the alignment 32")
+    p.write_bytes(_patched(raw, at + 4 + 8 + 4, "<Q", 0))   # the data of the tensor before it
+    _refused(p, "'output_norm.weight'", "overlaps")
 
 
 def test_truncated_file(tmp_path):
