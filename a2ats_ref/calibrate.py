@@ -520,9 +520,9 @@ class _Corrupt(Exception):
 
 
 def _corrupt_warning(f: Path, why: str, redo: str, quiet: bool) -> None:
-    msg = f"{f}: resume state {why}; {redo} (the file is ignored and will be replaced)"
-    warnings.warn(msg, UserWarning, stacklevel=3)
-    _log(f"warning: {msg}", quiet)
+    # a warning, shown under --quiet too: corrupted state on disk is worth knowing about
+    warnings.warn(f"{f}: resume state {why}; {redo} (the file is ignored and will be replaced)", UserWarning,
+                  stacklevel=3)
 
 
 def _load_collected(partial: Path, g: int, settings: dict, quiet: bool = True):

@@ -121,3 +121,40 @@ def test_nonfinite_weights_are_refused_before_collection(uninterrupted, monkeypa
     monkeypatch.setattr(col, "collect", lambda *a, **k: pytest.fail("collection started on NaN weights"))
     with pytest.raises(ValueError, match=r"model: parameter 'model.layers.1.self_attn.k_proj.weight' holds NaN"):
         cal.calibrate(m, ByteTokenizer(), texts=[text], **CAL)
+
+
+def test_cli_resume_over_corrupted_state_equals_an_uninterrupted_run(tmp_path, monkeypatch, capsys):
+    """a2ats-calibrate on a GGUF, interrupted after its first layer; one byte flipped in every resume file; the
+    rerun exits 0, warns about each file, and writes the codebook an uninterrupted run writes."""
+    from a2ats_ref.codebook import Codebook
+    from gguf_writer import write_tiny_gguf
+
+    model = write_tiny_gguf(tmp_path / "m.gguf")
+    text = tmp_path / "calib.py"
+    text.write_text(TEXT)
+    args = [str(model), "--text", str(text), "--tokens", "300", "--codebook-size", "8", "--b", "64", "--seq-len",
+            "128", "--packing", "packed", "--quiet"]
+    assert cal.main([*args, "--out", str(tmp_path / "whole.safetensors")]) == 0
+    out = tmp_path / "cb.safetensors"
+    save = cal._save_partial
+
+    def dies_after_layer_0(partial, l, *a):
+        save(partial, l, *a)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cal, "_save_partial", dies_after_layer_0)
+    assert cal.main([*args, "--out", str(out)]) == 130
+    monkeypatch.setattr(cal, "_save_partial", save)
+    partial = cal.partial_path(out)
+    files = [f for f in sorted(partial.iterdir()) if f.name != cal.LOCK_NAME]
+    assert {f.name for f in files} == {"collect_0000.npz", "layer_000.safetensors"}, files
+    for f in files:
+        raw = f.read_bytes()
+        f.write_bytes(_flip(raw, len(raw) // 2))
+    capsys.readouterr()
+    with pytest.warns(UserWarning) as caught:
+        assert cal.main([*args, "--out", str(out)]) == 0
+    warned = " ".join(str(w.message) for w in caught)
+    assert all(str(f) in warned for f in files), warned
+    a, b = Codebook.load(out), Codebook.load(tmp_path / "whole.safetensors")
+    assert _same_codebook(a, b), "the resumed codebook differs from an uninterrupted run"
