@@ -113,6 +113,8 @@ class Codebook:
         except OSError as exc:
             raise ValueError(f"codebook path {path}: cannot create its folder ({exc.strerror}); choose another path") from None
         check_writable(path, "codebook path")
+        # a file that load() would refuse is refused here, where the caller can still add what is missing
+        _check_identity(meta, path, n_layers=self.n_layers, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim)
         md = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "a2ats": json.dumps(meta, sort_keys=True),
               CHECKSUMS_KEY: checksums(arrays)}
         return atomic_save_safetensors(path, arrays, md)  # never a half-written codebook under the final name
@@ -214,8 +216,7 @@ def _check_identity(meta: dict, path, **arrays_give) -> None:
     for key in ("model", "b"):
         if key not in meta:
             raise CodebookError(f"{path}: codebook metadata lacks {key!r}; without it the codebook cannot be checked "
-                                "against a model (the file is damaged or was not written by a2ats-calibrate: "
-                                "recalibrate)")
+                                "against a model (a2ats-calibrate records it; recalibrate a damaged file)")
     b = meta["b"]
     if not (_is_int(b) and 0 <= b <= MAX_B):
         bad("b", b, f"an int in [0, {MAX_B}]")

@@ -330,7 +330,10 @@ def test_bit_flip_in_a_cache_array_is_refused(tmp_path):
 def test_bit_flip_in_a_codebook_array_is_refused(tmp_path):
     path = tmp_path / "cb.safetensors"
     cb = quiet_codebook(K=8)
-    Codebook([l.Cz for l in cb.layers], [l.L for l in cb.layers]).save(path)
+    from test_codebook_file import identity
+
+    Codebook([l.Cz for l in cb.layers], [l.L for l in cb.layers],
+             {"b": 2048, "model": identity(cb.n_layers, cb.layers[0].n_kv_heads, cb.layers[0].head_dim)}).save(path)
     _flip_byte_in(path, "layers.1.cz")
     with pytest.raises(CodebookError, match="'layers.1.cz' fails its SHA-256 checksum"):
         Codebook.load(path)

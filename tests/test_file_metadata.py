@@ -223,7 +223,9 @@ import resource, signal, sys
 import a2ats_ref, mlx.core as mx
 from a2ats_ref.codebook import Codebook
 from test_cache_support import quiet_codebook
-cb = Codebook([mx.zeros((2, 64, 16)) + mx.arange(64)[:, None], ], [mx.broadcast_to(mx.eye(16), (2, 16, 16))])
+from test_codebook_file import identity
+cb = Codebook([mx.zeros((2, 64, 16)) + mx.arange(64)[:, None], ], [mx.broadcast_to(mx.eye(16), (2, 16, 16))],
+              {"b": 64, "model": identity(1, 2, 16)})
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # writes past the limit fail with EFBIG, as on a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 try:
@@ -242,3 +244,13 @@ def test_a_save_that_cannot_write_names_its_path(tmp_path):
     line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-2000:]
     assert line.startswith("OSError") and str(out) in line and "is the disk full" in line, line
     assert not out.exists() and not list(tmp_path.glob(".*tmp*")), "a torn or temporary file was left"
+
+
+def test_a_codebook_without_its_identity_is_not_saved(tmp_path):
+    """What load refuses is refused at save, before a file exists that nobody can load."""
+    import numpy as np
+
+    cb = Codebook([np.ones((2, 8, 4), np.float32)], [np.stack([np.eye(4, dtype=np.float32)] * 2)], {"b": 64})
+    with pytest.raises(CodebookError, match="lacks 'model'"):
+        cb.save(tmp_path / "cb.safetensors")
+    assert not list(tmp_path.iterdir())
