@@ -124,7 +124,9 @@ def test_bad_codebook_fails_before_the_model_loads_naming_the_file(files, tmp_pa
     path = tmp_path / f"{case}.safetensors"
     if case == "mismatched-shapes":
         good = Codebook.load(cb)
-        Codebook(good.cz[:1], good.Ls[:1], dict(good.meta)).save(path)   # one layer; the model has two
+        meta = json.loads(json.dumps(good.meta))
+        meta["model"]["n_layers"] = 1
+        Codebook(good.cz[:1], good.Ls[:1], meta).save(path)   # a one-layer model's codebook; the model has two
     elif case == "not-a-codebook":
         path.write_bytes(b"\x00" * 64)
     rc, _, err = run(["--model", folder, "--codebook", path, "--prompt", "x"], capsys)
