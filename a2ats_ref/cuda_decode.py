@@ -58,11 +58,11 @@ ATTEND_THREADS = WARPS * 32
 CHUNK_MAX = 2048
 #: attend blocks per step that chunk_for aims at: ~8 per SM of a 132-SM H200, enough to hide the gathers' latency
 TARGET_BLOCKS = 1024
-#: the head sizes the kernels are taken for: the ones they ran correctly on the H200 (gate and tests/test_gpu.py,
-#: 8be5c36). kernels_fit admits d = 8..256, and the host emulator (tests/test_cuda_emu.py) runs d = 8 and 256
-#: correctly, but in the full GPU test run at 24c1996 a d = 8 self-check failed to load its kernel and the process
-#: then hit an illegal-address error (most likely MLX's shared JIT cache: a2ats_ref/suite_env.py). Until a GPU
-#: run shows them clean, other head sizes take the portable step
+#: the head sizes the kernels are taken for: the ones shown to run correctly on an H200 (gate and
+#: tests/test_gpu.py). kernels_fit admits d = 8..256, and the host emulator (tests/test_cuda_emu.py) runs d = 8 and
+#: 256 correctly, but a d = 8 self-check on the GPU can fail to load its kernel and leave the process at an
+#: illegal-address error (most likely MLX's shared JIT cache: a2ats_ref/suite_env.py). Other head sizes take the
+#: portable step until a GPU run shows them clean
 RUN_HEAD_DIMS = (32, 64, 128)
 #: static shared memory a kernel may use (CUDA's limit without opt-in is 48 KB)
 _SHARED_LIMIT = 46 * 1024
@@ -789,8 +789,8 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
 
 #: the self-check's bound on the attention's relative difference from the portable step, per value dtype: both
 #: outputs are rounded to that dtype, so bfloat16 (8 significant bits, an ulp of 2^-8 = 3.9e-3 relative at the
-#: top of a binade) needs a wider bound than float16/float32; the H200's bfloat16 check at d2a0105..f821255 differed
-#: by 3.2e-3 and fell back to the portable step for want of one ulp
+#: top of a binade) needs a wider bound than float16/float32; an H200's bfloat16 check differs by up to 3.2e-3,
+#: and a tighter bound sends it to the portable step for want of one ulp
 SELF_CHECK_ATTN_REL = {"float32": 2e-3, "float16": 2e-3, "bfloat16": 1e-2}
 
 

@@ -69,7 +69,7 @@ def test_end_to_end_file_loads_and_validates(tiny_codebook, tmp_path):
             np.testing.assert_array_equal(np.array(a), np.array(b))
     back.validate_against(m)
     assert back.meta["model"]["weights_fingerprint"] == cb.meta["model"]["weights_fingerprint"]
-    t = back.meta["timings"]   # each phase's effective rate is recorded (issue 13)
+    t = back.meta["timings"]   # each phase's effective rate is recorded
     for key in ("collect_tokens_per_s", "collect_gflops", "kmeans_init_gflops", "kmeans_lloyd_gflops"):
         assert t[key] > 0, (key, t)
 

@@ -344,7 +344,7 @@ def test_code_counts_match_bincount():
 def test_auto_picks_sortfree_off_the_cpu(monkeypatch):
     """No CPU-tuned threshold decides a GPU path: off the CPU, auto is the sort-free step at every length, or the
     CUDA step at every length where its self-check passed (stood in for here, so this runs the same on a CPU, on
-    Metal and on MLX CUDA, where the H200 run at 9ac83db found the real check passing)."""
+    Metal and on MLX CUDA, where the real check passes)."""
     from a2ats_ref import cuda_decode
 
     monkeypatch.setattr(fd.mx, "default_device", lambda: mx.Device(mx.cpu))

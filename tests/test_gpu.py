@@ -307,8 +307,8 @@ def _child_jit_cache(env):
 
 
 def test_every_suite_process_gets_a_jit_cache_of_its_own():
-    # MLX CUDA's JIT shares one PTX directory between processes and writes it unlocked: a worker loaded a kernel
-    # another was still writing (H200, 24c1996). This process (conftest) and a child that inherits its
+    # MLX CUDA's JIT shares one PTX directory between processes and writes it unlocked: a worker can load a kernel
+    # another is still writing. This process (conftest) and a child that inherits its
     # environment, as xdist and the conformance CLI's workers do, each get their own directory.
     from a2ats_ref.suite_env import OWNER
 
@@ -324,8 +324,8 @@ def test_every_suite_process_gets_a_jit_cache_of_its_own():
 
 
 def test_a_child_starts_with_the_modules_that_earlier_children_compiled(tmp_path):
-    # One directory per process made every conformance subprocess compile every kernel again (H200, 6326bfc: the
-    # test run went past 575 s). A child publishes its modules to the pool when it exits; the next one starts
+    # One directory per process would make every conformance subprocess compile every kernel again (minutes of
+    # a GPU test run). A child publishes its modules to the pool when it exits; the next one starts
     # with them, and a file MLX never reads (a .cu, a half-copied ".part-") does not travel. The children share a
     # pool of this test's own: on a GPU the run's pool holds real modules.
     from a2ats_ref.suite_env import POOL, POOL_OWNER
