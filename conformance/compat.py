@@ -1,12 +1,13 @@
 """The README's compatibility table: every implementation the project checks in its own tests, with the
 spec version it was checked against, its verdict counts and the command that produced each row.
 
-    python -m a2ats_conformance.compat [--size small|full] [--no-suite] [-n N] [--json F]
+    python -m a2ats_conformance.compat [--size small|full] [--no-suite] [-n N] [--json F] [--results-dir DIR]
 
 runs each row's command (the suite through ``a2ats-conformance``; golden vectors through ``a2ats-conformance
 grade``, the example port through ``examples/answer_vectors.py``) in a fresh process, reads the JSON report it
 writes and prints the Markdown table. A row's command is printed exactly as it was run, with the temporary
-paths shown as VECTORS / ANSWERS / R.json.
+paths shown as VECTORS / ANSWERS / R.json. ``--results-dir DIR`` also writes the table as a results page,
+``DIR/conformance-NAME.md`` (with ``.json``), carrying the command, date, commit and machine.
 """
 
 from __future__ import annotations
@@ -64,7 +65,21 @@ def main(argv=None) -> int:
     p.add_argument("--no-suite", action="store_true", help="only the golden-vector rows")
     p.add_argument("-n", type=int, default=2)
     p.add_argument("--json", default=None, metavar="F")
+    p.add_argument("--results-dir", default=None, metavar="DIR", help="also write the results page DIR/conformance-NAME.md")
+    p.add_argument("--name", default="cpu", help="the page's name after 'conformance-' (default: cpu)")
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
+    if a.results_dir:
+        from a2ats_ref.results_page import check_name, provenance
+
+        try:
+            check_name("conformance-" + a.name)
+        except ValueError as exc:
+            p.error(str(exc))
+        if not os.path.isdir(a.results_dir):
+            p.error(f"--results-dir: {a.results_dir!r} is not a folder; create it first")
+        prov = provenance("python -m a2ats_conformance.compat", argv)
+    t_start = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         vectors = os.path.join(tmp, "vectors")
@@ -85,16 +100,34 @@ def main(argv=None) -> int:
                             "other": {k: v for k, v in s.items() if isinstance(v, int) and v and k not in ("pass", "fail", "pytest_exit")},
                             "wall_s": round(wall, 1),
                             "command": " && ".join(shlex.join(c) for c in cmds)})
-    print("| implementation | checked by | dtype | spec | pass | fail | other | wall s | command |")
-    print("|---|---|---|---|---:|---:|---|---:|---|")
-    for r in results:
-        other = ", ".join(f"{k} {v}" for k, v in r["other"].items()) or "—"
-        print(f"| {r['implementation']} | {r['checked_by']} | {r['dtype']} | {r['spec']} | {r['pass']} | {r['fail']} | "
-              f"{other} | {r['wall_s']} | `{r['command']}` |")
+    table = table_markdown(results)
+    print(table, end="")
+    if a.results_dir:
+        from a2ats_ref import results_page
+        from a2ats_ref.bench import machine
+
+        res = {"benchmark": "conformance", "provenance": prov, "machine": machine(False), "rows": results,
+               "wall_s": round(time.perf_counter() - t_start, 1)}
+        body = ("Every implementation the project checks in its own tests, each row's command run in a fresh process "
+                "and its JSON report read (VECTORS, ANSWERS and R.json stand for temporary paths); wall s is the "
+                "row's own time.\n\n" + table)
+        out = results_page.write(a.results_dir, "conformance-" + a.name, "Conformance: every implementation the "
+                                 "project checks", res, body, {})
+        print(f"results page -> {out['md']}", file=sys.stderr)
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def table_markdown(results: list[dict]) -> str:
+    lines = ["| implementation | checked by | dtype | spec | pass | fail | other | wall s | command |",
+             "|---|---|---|---|---:|---:|---|---:|---|"]
+    for r in results:
+        other = ", ".join(f"{k} {v}" for k, v in r["other"].items()) or "—"
+        lines.append(f"| {r['implementation']} | {r['checked_by']} | {r['dtype']} | {r['spec']} | {r['pass']} | "
+                     f"{r['fail']} | {other} | {r['wall_s']} | `{r['command']}` |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
