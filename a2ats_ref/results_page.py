@@ -22,6 +22,9 @@ from pathlib import Path
 #: environment variables that change what a bench measures: a page's command names those set for its run
 COMMAND_ENV = ("MLX_ENABLE_TF32", "A2ATS_SMOLLM2_CODEBOOK", "A2ATS_TUNE_ALLOCATOR", "A2ATS_NO_FAST_BLAS")
 
+#: names the commit of a run from an installed wheel, where no git checkout says it
+COMMIT_ENV = "A2ATS_RESULTS_COMMIT"
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$")
 
 
@@ -35,17 +38,20 @@ def check_name(name: str) -> str:
 
 def commit_of(path=None) -> str:
     """The short commit of the git checkout holding ``path`` (this package by default), '+ uncommitted changes'
-    when tracked files differ from it; 'unknown (not a git checkout)' elsewhere."""
+    when tracked files differ from it. An installed wheel is no checkout: there the commit is the one $COMMIT_ENV
+    names (the machine that built the wheel knows it), marked as stated, else 'unknown (not a git checkout)'."""
     where = str(Path(path or __file__).resolve().parent)
+    stated = os.environ.get(COMMIT_ENV)
+    stated = f"{stated} (stated by {COMMIT_ENV}; the run was not in a git checkout)" if stated else None
     try:
         head = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
         if head.returncode:
-            return "unknown (not a git checkout)"
+            return stated or "unknown (not a git checkout)"
         dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown (git not available)"
+        return stated or "unknown (git not available)"
     return head.stdout.strip() + (" + uncommitted changes" if dirty else "")
 
 
