@@ -37,6 +37,7 @@ CLAUSE_FREE = {
     "test_no_history.py": "the repository's text",
     "test_quickstart.py": "the README's quick start",
     "test_readme.py": "the README",
+    "test_results_pages.py": "the results-page writer and its plots",
     "test_report.py": "the report writer and its schema",
     "test_spec_version.py": "SPEC.md's version, hash and changelog",
     "test_vectors.py": "the golden-vector files and the grader, over every clause at once",
