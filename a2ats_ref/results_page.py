@@ -88,6 +88,9 @@ def render(title: str, res: dict, body: str, plots: dict) -> str:
              "```bash", prov.get("command", "(command not recorded)"), "```", "",
              f"Date: {prov.get('date', 'not recorded')}. Commit: {prov.get('commit', 'not recorded')}. "
              f"Wall time: {res.get('wall_s', '?')} s.", ""]
+    if res.get("partial"):
+        lines += ["**Partial run**: it was stopped before it finished (a time limit or Ctrl-C); the sections below are "
+                  "what it measured, and the sections it did not reach are missing.", ""]
     lines += machine_lines(res.get("machine") or {}) + ["", body.rstrip(), ""]
     for caption, png in plots.items():
         lines += [f"![{caption}]({Path(png).name})", ""]
