@@ -22,6 +22,9 @@ from pathlib import Path
 #: environment variables that change what a bench measures: a page's command names those set for its run
 COMMAND_ENV = ("MLX_ENABLE_TF32", "A2ATS_SMOLLM2_CODEBOOK", "A2ATS_TUNE_ALLOCATOR", "A2ATS_NO_FAST_BLAS")
 
+#: the tracked paths a measurement depends on: a change elsewhere (README, results pages) leaves a run's commit clean
+CODE_PATHS = ("a2ats_ref", "conformance", "spec/*.py", "spec/SPEC.md", "pyproject.toml")
+
 #: names the commit of a run from an installed wheel, where no git checkout says it
 COMMIT_ENV = "A2ATS_RESULTS_COMMIT"
 
@@ -38,7 +41,7 @@ def check_name(name: str) -> str:
 
 def commit_of(path=None) -> str:
     """The short commit of the git checkout holding ``path`` (this package by default), '+ uncommitted changes'
-    when tracked files differ from it. An installed wheel is no checkout: there the commit is the one $COMMIT_ENV
+    when tracked code (CODE_PATHS: what a measurement depends on, not the docs or the pages) differs from it. An installed wheel is no checkout: there the commit is the one $COMMIT_ENV
     names (the machine that built the wheel knows it), marked as stated, else 'unknown (not a git checkout)'."""
     where = str(Path(path or __file__).resolve().parent)
     stated = os.environ.get(COMMIT_ENV)
@@ -48,8 +51,10 @@ def commit_of(path=None) -> str:
                               text=True, timeout=10)
         if head.returncode:
             return stated or "unknown (not a git checkout)"
-        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        top = subprocess.run(["git", "-C", where, "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", top or where, "status", "--porcelain", "--untracked-files=no", "--",
+                                *CODE_PATHS], capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return stated or "unknown (git not available)"
     return head.stdout.strip() + (" + uncommitted changes" if dirty else "")
