@@ -26,7 +26,7 @@ MAX_BYTES = 20_000
 
 #: the real-model path at test size: README text -> what the test runs instead (sizes only)
 CALIBRATE_SMALLER = {"--tokens 4096 --codebook-size 512 --max-iter 5": "--tokens 512 --codebook-size 16 --max-iter 1"}
-PASSKEY_SMALLER = {"filler * 55 + ": "filler * 3 + ", " + filler * 55": " + filler * 3", "max_tokens=16": "max_tokens=2"}
+PASSKEY_SMALLER = {"filler * 55 + ": "filler * 3 + ", " + filler * 55": " + filler * 3", "max_tokens=8": "max_tokens=2"}
 
 
 def text() -> str:

@@ -23,7 +23,7 @@ def speed_result() -> dict:
              "select_method": "host", "method_ms": {}, "method_speedup": {},
              "bytes_read": {"dense": 2 * T, "a2ats": T}} for T in (4096, 16384)]
     return {"schema_version": bench.SCHEMA_VERSION, "benchmark": "speed", "profile": "tiny", "wall_s": 1.5,
-            "provenance": {"command": "a2ats-bench speed --tiny --results-dir R", "date": "2026-01-02 03:04 UTC",
+            "provenance": {"command": "a2ats-bench speed --tiny --results-dir R", "date": "D",
                            "commit": results_page.commit_of()},
             "machine": MACHINE, "decode_step": rows,
             "e2e_smollm2": {"model": "m", "decode_tokens": 2, "codebook": "random", "rows": []}}
@@ -56,7 +56,7 @@ def test_a_page_names_its_command_date_commit_and_machine(tmp_path, monkeypatch)
     page = out["md"].read_text()
     prov = speed_result()["provenance"]
     assert "```bash\na2ats-bench speed --tiny --results-dir R\n```" in page
-    assert re.search(r"Date: 20\d\d-\d\d-\d\d \d\d:\d\d UTC\. Commit: \S+", page), page[:600]
+    assert "Date: D. Commit: " in page, page[:600]
     assert prov["commit"] in page and "| CPU | Test CPU, 2 cores |" in page and "OpenBLAS test" in page
     assert "| 16384 | float32 | 40.96 |" in page   # the body's table, beside them
     assert json.loads(out["json"].read_text())["provenance"]["command"] == prov["command"]
