@@ -448,7 +448,8 @@ def _page(ap, args) -> int:
         with open(args.json, encoding="utf-8") as f:
             res = json.load(f)
         if not isinstance(res, dict) or res.get("benchmark") not in ("speed", "fidelity"):
-            raise ValueError(f"--json: {args.json} is not an a2ats-bench speed or fidelity result")
+            raise ValueError(f"--json: {args.json} is not an a2ats-bench speed or fidelity result (a conformance "
+                             "page renders again with python -m a2ats_conformance.compat --page-from F)")
         folder = args.results_dir or os.path.dirname(os.path.abspath(args.json))
         name = args.name or (os.path.basename(args.json)[:-len(".json")] if args.json.endswith(".json") else None)
         if not name:

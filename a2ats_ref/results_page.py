@@ -74,6 +74,8 @@ def machine_lines(m: dict) -> list[str]:
             ("BLAS", blas.get("config") or blas.get("loaded") or ("error: " + blas["error"] if "error" in blas
                                                                   else "MLX's reference BLAS")),
             ("load average at start", m.get("loadavg_at_start"))]
+    if "loadavg_at_end" in m:   # a run that read the machine only once it was done
+        rows[-1] = ("load average at the run's end", m["loadavg_at_end"])
     gpu = m.get("gpu")
     if gpu:
         rows.insert(5, ("GPU", f"{gpu.get('name')}, {gpu.get('memory_bytes')} bytes, MLX {gpu.get('mlx_backend')}, "

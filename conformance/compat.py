@@ -2,6 +2,7 @@
 spec version it was checked against, its verdict counts and the command that produced each row.
 
     python -m a2ats_conformance.compat [--size small|full] [--no-suite] [-n N] [--json F] [--results-dir DIR]
+    python -m a2ats_conformance.compat --page-from DIR/conformance-NAME.json     # the page again, from its JSON
 
 runs each row's command (the suite through ``a2ats-conformance``; golden vectors through ``a2ats-conformance
 grade``, the example port through ``examples/answer_vectors.py``) in a fresh process, reads the JSON report it
@@ -67,8 +68,22 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, metavar="F")
     p.add_argument("--results-dir", default=None, metavar="DIR", help="also write the results page DIR/conformance-NAME.md")
     p.add_argument("--name", default="cpu", help="the page's name after 'conformance-' (default: cpu)")
+    p.add_argument("--page-from", default=None, metavar="F",
+                   help="render the results page again from its JSON F (DIR/conformance-NAME.json), running nothing")
     argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
+    if a.page_from:
+        try:
+            with open(a.page_from, encoding="utf-8") as f:
+                res = json.load(f)
+            if not isinstance(res, dict) or res.get("benchmark") != "conformance" or not a.page_from.endswith(".json"):
+                raise ValueError(f"--page-from: {a.page_from} is not a conformance results page's JSON")
+            out = write_page(res, os.path.dirname(os.path.abspath(a.page_from)), os.path.basename(a.page_from)[:-5])
+        except (ValueError, OSError) as exc:
+            print(f"compat: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"results page -> {out['md']}", file=sys.stderr)
+        return 0
     if a.results_dir:
         from a2ats_ref.results_page import check_name, provenance
 
@@ -78,7 +93,10 @@ def main(argv=None) -> int:
             p.error(str(exc))
         if not os.path.isdir(a.results_dir):
             p.error(f"--results-dir: {a.results_dir!r} is not a folder; create it first")
+        from a2ats_ref.bench import machine
+
         prov = provenance("python -m a2ats_conformance.compat", argv)
+        host = machine(False)   # before the rows run: its load average is the one at the start
     t_start = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,21 +121,24 @@ def main(argv=None) -> int:
     table = table_markdown(results)
     print(table, end="")
     if a.results_dir:
-        from a2ats_ref import results_page
-        from a2ats_ref.bench import machine
-
-        res = {"benchmark": "conformance", "provenance": prov, "machine": machine(False), "rows": results,
+        res = {"benchmark": "conformance", "provenance": prov, "machine": host, "rows": results,
                "wall_s": round(time.perf_counter() - t_start, 1)}
-        body = ("Every implementation the project checks in its own tests, each row's command run in a fresh process "
-                "and its JSON report read (VECTORS, ANSWERS and R.json stand for temporary paths); wall s is the "
-                "row's own time.\n\n" + table)
-        out = results_page.write(a.results_dir, "conformance-" + a.name, "Conformance: every implementation the "
-                                 "project checks", res, body, {})
+        out = write_page(res, a.results_dir, "conformance-" + a.name)
         print(f"results page -> {out['md']}", file=sys.stderr)
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def write_page(res: dict, folder, name: str) -> dict:
+    """The conformance results page (a2ats_ref.results_page) for a run's rows."""
+    from a2ats_ref import results_page
+
+    body = ("Every implementation the project checks in its own tests, each row's command run in a fresh process "
+            "and its JSON report read (VECTORS, ANSWERS and R.json stand for temporary paths); wall s is the "
+            "row's own time.\n\n" + table_markdown(res["rows"]))
+    return results_page.write(folder, name, "Conformance: every implementation the project checks", res, body, {})
 
 
 def table_markdown(results: list[dict]) -> str:
