@@ -113,3 +113,19 @@ def test_every_committed_page_carries_its_command_date_and_commit():
     for p in pages:
         t = p.read_text()
         assert "```bash\n" in t and "Date: " in t and "Commit: " in t and "| machine | |" in t, p.name
+
+
+def test_a_tiny_run_writes_its_page_with_the_command_it_was_given(tmp_path, monkeypatch):
+    monkeypatch.setattr(plots, "available", lambda: False)
+    argv = ["speed", "--tiny", "--only", "decode", "--results-dir", str(tmp_path), "--name", "speed-t"]
+    assert bench.main(argv) == 0
+    page = (tmp_path / "speed-t.md").read_text()
+    assert f"a2ats-bench speed --tiny --only decode --results-dir {tmp_path} --name speed-t\n```" in page
+    res = json.loads((tmp_path / "speed-t.json").read_text())
+    assert [r["T"] for r in res["decode_step"]] == [512, 1024] and res["provenance"]["commit"]
+
+
+def test_bench_needs_somewhere_to_write(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["speed", "--tiny"])
+    assert e.value.code == 2 and "--json or --results-dir" in capsys.readouterr().err
