@@ -25,7 +25,7 @@ RESULTS = ROOT / "spec" / "results"
 MAX_BYTES = 20_000
 
 #: the real-model path at test size: README text -> what the test runs instead (sizes only)
-CALIBRATE_SMALLER = {"--tokens 4096 --codebook-size 512 --max-iter 5": "--tokens 512 --codebook-size 16 --max-iter 1"}
+CALIBRATE_SMALLER = {"--tokens 4096 --codebook-size 512 --max-iter 5": "--tokens 256 --codebook-size 16 --max-iter 1"}
 PASSKEY_SMALLER = {"filler * 55 + ": "filler * 3 + ", " + filler * 55": " + filler * 3", "max_tokens=8": "max_tokens=2"}
 
 
