@@ -27,7 +27,7 @@ __all__ = ["rows", "main"]
 REFERENCE = "a2ats_conformance.adapters.reference:ReferenceAdapter"
 ORACLE = "a2ats_conformance.adapters.oracle:OracleAdapter"
 NUMPY = "a2ats_conformance.examples.numpy_port:NumpyPort"
-EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples", "answer_vectors.py")
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "answer_vectors.py")
 
 
 def rows(size: str, suite: bool, n: int) -> list[tuple[str, str, list[list[str]]]]:

@@ -130,3 +130,9 @@ def test_bench_needs_somewhere_to_write(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["speed", "--tiny"])
     assert e.value.code == 2 and "--json or --results-dir" in capsys.readouterr().err
+
+
+def test_the_conformance_page_runs_the_example_port_that_exists():
+    from a2ats_conformance.report import compat
+
+    assert Path(compat.EXAMPLE).is_file(), compat.EXAMPLE   # its answer-files row runs this script
