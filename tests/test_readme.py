@@ -110,7 +110,7 @@ def _smaller(s: str, edits: dict) -> str:
 
 
 def test_the_real_model_path_runs(tmp_path, monkeypatch):
-    from a2ats_ref import gguf
+    from a2ats_ref.files import gguf
 
     gguf.smollm2_path()   # the model the test command installs; its error says how
     part = section("Five minutes with a real model")
