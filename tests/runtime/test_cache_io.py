@@ -21,6 +21,7 @@ def setup():
     return model, cb
 
 
+@pytest.mark.clause("CACHE-SAVE")
 def test_save_load_gives_identical_future_outputs(tmp_path, setup):
     model, cb = setup
     toks = tokens(40, seed=2)
@@ -40,6 +41,7 @@ def test_save_load_gives_identical_future_outputs(tmp_path, setup):
         np.testing.assert_array_equal(x, y, err_msg=f"CACHE-SAVE: step {t} differs after load")
 
 
+@pytest.mark.clause("CACHE-SAVE")
 def test_empty_cache_round_trips(tmp_path, setup):
     model, cb = setup
     path = tmp_path / "e.safetensors"

@@ -84,7 +84,7 @@ def tune_allocator() -> bool:
 
     Process-wide and idempotent; returns True when the thresholds are set, False where glibc's mallopt is
     unavailable. ``enable_a2ats`` calls it (unless ``A2ATS_TUNE_ALLOCATOR=0`` or ``tune_allocator=False``),
-    so library users get what the benchmark measures. The decode step itself no longer needs it for its
+    so library users get what the benchmark measures. The decode step itself does not need it for its
     gathers (they come in GATHER_BLOCK_BYTES blocks from MLX's buffer cache); it still spares the model's
     own large per-token buffers (logits, MLP activations) the map/unmap cycle on a loaded machine. The cost:
     freed memory below 1 GiB stays in the process's heap instead of going back to the OS at once.
