@@ -20,6 +20,10 @@ TESTS = Path(__file__).resolve().parent
 CLAUSE_FREE = {
     "bench/test_bench.py": "the a2ats-bench CLI, its JSON schema and results pages: measurements, not rules",
     "runtime/test_blas_preload.py": "platform: which BLAS MLX binds to",
+    "runtime/test_cli_help.py": "the commands' help texts and flag errors",
+    "runtime/test_generate_cli.py": "the a2ats-generate command: flags, model sources, codebook refusals",
+    "runtime/test_server.py": "a2ats-server on loopback: batching and prompt-cache reuse end to end (CACHE-BATCH's "
+                              "rule is checked in runtime/test_batching.py)",
     "runtime/test_cache_support.py": "helpers shared by the cache tests",
     "test_clause_markers.py": "this meta-test",
     "runtime/test_codebook_file.py": "the codebook file format: checksums, pickle refusal, corrupt files",
