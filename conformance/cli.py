@@ -110,6 +110,8 @@ def _pytest_args(a, ini_path: str, cex_dir: str, repro_prefix: str) -> list[str]
         args.append(f"--hypothesis-seed={a.seed}")
     if a.k:
         args += ["-k", a.k]
+    if getattr(a, "no_port_profile", False):
+        args.append("--a2ats-no-port-profile")
     if a.n and a.n > 1:
         args += ["-n", str(a.n), "-p", "xdist"]
     else:
@@ -161,8 +163,18 @@ def run_suite(a) -> dict:
         "tests": raw["tests"],
         "summary": dict(summary, failed_clauses=failed, pytest_exit=raw["pytest_exit"]),
         "xfail_warnings": raw["xfail_warnings"],
+        "port_profile": port_profile_rows(raw.get("port_profile"), failed),
         "wall_s": round(time.time() - t0, 2),
     }
+
+
+def port_profile_rows(rows, failed: list[str]):
+    """The child's profile rows with ``explains`` (the failing clauses each row's variant accounts for)."""
+    if rows is None:
+        return None
+    from .catalogue.profile import explain
+
+    return explain(rows, failed)
 
 
 def exit_status(report: dict) -> int:
@@ -203,10 +215,41 @@ def _note(c: dict, width: int | None = 90) -> str:
     return note[:width] if width else note
 
 
+def verdict_line(report: dict) -> str:
+    """The run's verdict in one line: what a port author reads first."""
+    failed = report["summary"]["failed_clauses"]
+    if exit_status(report) == 2:
+        return "verdict: NO VERDICT (the run could not start; see the error below)"
+    if failed:
+        return f"verdict: FAIL, {len(failed)} clause(s) fail: {', '.join(failed)}"
+    if exit_status(report) == 3:
+        return "verdict: INCOMPLETE, no clause failed among those that ran"
+    return "verdict: PASS, no clause fails"
+
+
+def profile_lines(report: dict, width: int | None = 110) -> list[str]:
+    """The port profile as a table: mechanism, variant found, the failing clauses it explains, evidence."""
+    rows = report.get("port_profile")
+    if not rows:
+        return []
+    spec = sum(1 for r in rows if r["status"] == "spec")
+    out = [f"port profile ({spec} of {len(rows)} mechanisms as the spec; catalogue/profile.py):",
+           f"  {'mechanism':<32} {'variant found':<34} explains"]
+    for r in rows:
+        mark = "" if r["status"] == "spec" else "*"
+        variant = f"{mark}{r['variant']}" + (f" ({r['kind']})" if r.get("kind") == "authors" else "")
+        out.append(f"  {r['title'][:32]:<32} {variant[:34]:<34} {', '.join(r.get('explains') or []) or '-'}")
+        if r["status"] not in ("spec", "not-implemented", "not-applicable"):
+            ev = f"{r['description']}; {r['evidence']}" if r.get("description") else r["evidence"]
+            out.append(f"  {'':<32}   {ev[:width] if width else ev}")
+    return out
+
+
 def format_table(report: dict) -> str:
     impl = report["implementation"]
     lines = [f"A2ATS conformance: {impl.get('name', '?')} {impl.get('version', '')} "
              f"[{impl.get('iut', '')}] dtype {impl.get('dtype', '?')}, profile {report['profile']}",
+             verdict_line(report), *profile_lines(report),
              f"{'clause':<20} {'status':<16} {'tests':>5} {'examples':>8}  note"]
     for cid, c in report["clauses"].items():
         lines.append(f"{cid:<20} {c['status']:<16} {c['tests']:>5} {c['examples']:>8}  {_note(c)}")
@@ -287,7 +330,19 @@ def format_markdown(report: dict) -> str:
             f"- missing callables: {', '.join(impl.get('missing', [])) or 'none'}",
             f"- declared capabilities: {_caps_line(impl.get('capabilities'))}",
             f"- counterexamples: `{(report.get('run') or {}).get('counterexample_dir', '-')}`", "",
-            "| clause | status | tests | examples | counterexample / note |", "|---|---|---:|---:|---|"]
+            f"**{verdict_line(report)}**", ""]
+    if report.get("port_profile"):
+        out += ["## Port profile", "", "Each mechanism measured on its own probe and classified among the "
+                "catalogue's variants (`*`: not the spec's).", "",
+                "| mechanism | variant found | source | explains failing | evidence |", "|---|---|---|---|---|"]
+        for r in report["port_profile"]:
+            cell = lambda x: str(x).replace("|", chr(92) + "|")  # noqa: E731
+            mark = "" if r["status"] == "spec" else "*"
+            ev = "" if r["status"] == "spec" else f"{r.get('description', '')}; {r['evidence']}".strip("; ")
+            out.append(f"| {cell(r['title'])} | {mark}{cell(r['variant'])} | {cell(r.get('source', ''))} | "
+                       f"{', '.join(r.get('explains') or []) or '-'} | {cell(ev)} |")
+        out.append("")
+    out += ["## Clauses", "", "| clause | status | tests | examples | counterexample / note |", "|---|---|---:|---:|---|"]
     for cid, c in report["clauses"].items():
         note = _note(c, None).splitlines()[0] if _note(c, None) else ""
         out.append(f"| {cid} | {c['status']} | {c['tests']} | {c['examples']} | {note.replace('|', chr(92) + '|')} |")
@@ -321,6 +376,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--example-timeout", type=float, default=DEFAULT_EXAMPLE_TIMEOUT_S, metavar="S",
                    help=f"seconds one example may take before its test fails as 'timeout' "
                         f"(default {DEFAULT_EXAMPLE_TIMEOUT_S:g}; 0: no limit)")
+    p.add_argument("--no-port-profile", action="store_true",
+                   help="skip the port profile (each mechanism's variant, measured on its own probe)")
     p.add_argument("-k", default=None, help="pytest -k expression")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("-q", "--quiet", action="store_true", help="no pytest output, only the table")

@@ -206,10 +206,13 @@ def profile(adapter, *, dtype: str, caps: dict | None = None, budget_s: float = 
     probe, clauses}. status: spec | variant | unknown | not-implemented | not-applicable | not-run | error."""
     from ..adapter import NotImplementedByIUT, has_function
 
+    from ..capabilities import FULL
+
+    caps = caps or FULL
     t0 = time.monotonic()
     found: dict = {}
     rows: dict[str, dict] = {}
-    ops = set((caps or {}).get("cache_ops") or ("append", "decode", "prefill", "trim", "save_load", "batch"))
+    ops = set(caps.cache_ops)
     try:
         adapter.input_dtype = dtype
     except Exception:  # noqa: BLE001 - an adapter that does not take the attribute casts by itself
@@ -222,13 +225,15 @@ def profile(adapter, *, dtype: str, caps: dict | None = None, budget_s: float = 
             missing = [f for f in probe.needs if not has_function(adapter, f)]
             if missing:
                 status, note = "not-implemented", f"the port has no {', '.join(missing)}"
+            elif caps.randomness == "own" and pid in _EXPLICIT_RANDOMNESS:
+                status, note = "not-applicable", "the port draws its own random stream (randomness: own)"
             elif set(probe.cache_ops) - ops:
                 status, note = "not-applicable", f"needs cache_ops {', '.join(sorted(set(probe.cache_ops) - ops))}"
             elif time.monotonic() - t0 > budget_s:
                 status, note = "not-run", f"profile budget of {budget_s:g} s spent"
             if status is None:
                 calls = [(n, tuple(_cast(x, dtype) for x in a), {k: _cast(v, dtype) for k, v in kw.items()})
-                         for n, a, kw in probe.calls]
+                         for n, a, kw in _declared(probe.calls, caps)]
                 probe = type(probe)(**{**probe.__dict__, "calls": calls})
                 try:
                     port, errs = _run_port(adapter, calls, tmp)
@@ -251,6 +256,28 @@ def profile(adapter, *, dtype: str, caps: dict | None = None, budget_s: float = 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [rows[m.id] for m in MECHANISMS if m.id in rows]
+
+
+#: probes whose answer depends on the random stream the spec fixes (EQ-17-FIT's default_rng(seed))
+_EXPLICIT_RANDOMNESS = ("kmeans",)
+
+
+def _declared(calls, caps) -> list:
+    """The probe's calls in what the port declares (capabilities.py): its RoPE layout where it has one only;
+    no count top-k where it takes fractions only."""
+    flags = caps.traditional_values
+    out = []
+    for name, args, kw in calls:
+        if "traditional" in kw and kw["traditional"] not in flags:
+            if any(n == name and k.get("traditional") in flags and k.keys() == kw.keys() for n, _, k in calls):
+                continue   # the probe has the declared layout's call too
+            kw = dict(kw, traditional=flags[0])
+        args = tuple(dict(a, traditional=flags[0]) if isinstance(a, dict) and a.get("traditional") not in
+                     (None, *flags) else a for a in args)
+        if name == "topk_count" and isinstance(args[1], int) and not caps.has("topk", "count"):
+            continue
+        out.append((name, args, kw))
+    return out
 
 
 def _row(mech_id, rec, status, evidence, probe_id) -> dict:
