@@ -118,6 +118,11 @@ def _signs(rng, shape):
     return v * 2.0 ** rng.integers(-2, 3, size=shape[:-1] + (1,))
 
 
+#: the values of every decode probe but the values probe's first call: exact in float16, bfloat16 and 8-bit
+#: absmax, and each measured on its own by the values probe, so a port's own value rule can be replayed
+POOL = _signs(np.random.default_rng(5), (NKV, 16, D))
+
+
 def _decode_inputs(rng, T, K, inv):
     q_pre = rng.standard_normal((NQ, D)) * 1.5
     k_post = oracle.rope_apply(rng.standard_normal((NKV, T, D)) * 1.5, np.arange(T), inv, traditional=True)
@@ -129,7 +134,7 @@ def _decode_inputs(rng, T, K, inv):
 def _decode_attend_probe(rng):
     T, inv = 10, _inv()
     q_pre, k_post, C, codes = _decode_inputs(rng, T, 6, inv)
-    v = _signs(rng, (NKV, T, D))
+    v = POOL[:, :T]
     base = dict(b=37, w=T, sinks=0, topk=0.1, inv_freqs=inv, traditional=True, return_mask=True)
     calls = []
     for i, scale in ((T - 1, None), (T - 4, 0.7)):
@@ -145,8 +150,11 @@ def _decode_values_probe(rng):
     k_post, C = np.zeros((NKV, T, D)), np.zeros((NKV, 4, D))
     codes = rng.integers(0, 4, (NKV, T)).astype(np.uint8)
     q = rng.standard_normal((NQ, D))
-    calls = [("decode_step", (q, k_post, v, codes, C), dict(query_pos=T - 1, b=37, w=T, sinks=0, topk=0.1,
-                                                            inv_freqs=inv, traditional=True, return_mask=True))]
+    kw = dict(b=37, sinks=0, topk=0.1, inv_freqs=inv, traditional=True, return_mask=True)
+    calls = [("decode_step", (q, k_post, v, codes, C), dict(kw, query_pos=T - 1, w=T))]
+    for t in range(POOL.shape[1]):   # one visible token: the output is that token's values as the port reads them
+        calls.append(("decode_step", (q, np.zeros((NKV, 1, D)), POOL[:, t:t + 1], np.zeros((NKV, 1), np.uint8),
+                                      C), dict(kw, query_pos=0, w=1)))
     return dict(calls=calls, clause="RET-DECODE", needs=("decode_step",))
 
 
@@ -157,7 +165,7 @@ def _decode_select_probe(rng):
     k_post = rng.standard_normal((NKV, T, D))
     C = rng.standard_normal((NKV, K, D))
     codes = np.tile(rng.permutation(K), (NKV, 1))[:, :T].astype(np.uint8)
-    v = _signs(rng, (NKV, T, D))
+    v = POOL[:, :T]
     calls = [("decode_step", (q, k_post, v, codes, C), dict(query_pos=T - 1, b=37, w=1, sinks=0, topk=0.15,
                                                             inv_freqs=inv, traditional=True, return_mask=True))]
     return dict(calls=calls, clause="RET-DECODE", needs=("decode_step",))
@@ -167,7 +175,7 @@ def _decode_lut_probe(rng):
     T, K, inv = 16, 16, _inv()
     q_pre, k_post, C, _ = _decode_inputs(rng, T, K, inv)
     codes = np.tile(rng.permutation(K), (NKV, 1)).astype(np.uint8)
-    v = _signs(rng, (NKV, T, D))
+    v = POOL[:, :T]
     i = T - 1
     q_post = oracle.rope_apply(q_pre, np.full(NQ, float(i)), inv, traditional=True)
     calls = [("decode_step", (q_post, k_post, v, codes, C), dict(query_pos=i, b=5, w=1, sinks=0, topk=0.13,
@@ -236,12 +244,25 @@ def _cache_save_probe(rng):
                 max_position=300.0)
 
 
+def _cache_decode_probe(rng):
+    T = 10
+    cfg = _cache_config(rng, w=T, sinks=0, topk=0.1, b=37)   # every token in the window: the selection is all
+    k, _ = _tokens(rng, 0, T)
+    v = rng.standard_normal((NKV, T, D)) * 3.0
+    q = oracle.rope_apply(rng.standard_normal((NQ, D)), np.full(NQ, T - 1.0), _inv(), traditional=True)
+    calls = [("make_cache", (cfg,), {}), ("cache0.append", (k[:, :4], v[:, :4]), {}),   # two chunks: the second
+             ("cache0.append", (k[:, 4:], v[:, 4:]), {}), ("cache0.codes", (), {}),     # starts past position 0
+             ("cache0.decode", (q,), {})]
+    return dict(calls=calls, clause="CACHE-DECODE", needs=("make_cache",), cache_ops=("append", "decode"),
+                max_position=64.0)
+
+
 #: probe id -> builder; probes run in this order, and each later probe's predictions compose the variants
 #: found by the earlier ones (a decode probe predicts with the port's own RoPE layout, keys, values, ...)
 _BUILDERS = {
     "rope": _rope_probe, "freqs": _freqs_probe, "far": _far_probe, "moment": _moment_probe,
     "assign": _assign_probe, "far-keys": _far_keys_probe, "topk": _topk_probe, "select": _select_probe,
-    "decode-attend": _decode_attend_probe, "decode-values": _decode_values_probe,
+    "decode-values": _decode_values_probe, "decode-attend": _decode_attend_probe, "cache-decode": _cache_decode_probe,
     "decode-select": _decode_select_probe, "decode-lut": _decode_lut_probe, "kmeans-init": _kmeans_init_probe,
     "lloyd": _lloyd_probe, "kmeans": _kmeans_probe, "codes-dtype": _codes_dtype_probe,
     "cache-trim": _cache_trim_probe, "cache-save": _cache_save_probe,

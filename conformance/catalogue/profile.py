@@ -13,6 +13,7 @@ with each single variant's fit as evidence.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import shutil
 import tempfile
@@ -20,7 +21,7 @@ import time
 
 import numpy as np
 
-from ..deviations import Decoded, Model, _round
+from ..deviations import Decoded, Model, _f, _round
 from ..diagnose import _ERR, _SKIP, _same, _tie, replay
 from ..repro import fill_placeholder
 from ..tolerances import tolerance
@@ -251,11 +252,36 @@ def profile(adapter, *, dtype: str, caps: dict | None = None, budget_s: float = 
                 result = {m: (None, f"probe {pid}: classification failed ({_first_line(exc)})") for m in probe.mechanisms}
             for m, (rec, ev) in result.items():
                 found[m] = rec
+                if rec is not None and rec.catch_all and pid == "decode-values":
+                    found[m] = dataclasses.replace(rec, model=_measured_values(probe, port))
                 st = "unknown" if rec is None else ("spec" if rec.kind == "spec" else "variant")
                 rows[m] = _row(m, rec, st, ev, pid)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [rows[m.id] for m in MECHANISMS if m.id in rows]
+
+
+def _measured_values(probe, port):
+    """A Model whose attention reads each probe value row as the port was measured to read it (the values
+    probe's one-token calls): a port's own lossy value rule, replayed in the later decode probes."""
+    table = {}
+    for i, (name, args, kw) in enumerate(probe.calls):
+        if kw.get("query_pos") != 0 or i not in port or not isinstance(port[i], (tuple, list)):
+            continue
+        v, out = np.asarray(args[2]).astype(np.float64), np.asarray(port[i][0], dtype=np.float64)
+        G = out.shape[-2] // v.shape[0]
+        for g in range(v.shape[0]):
+            table[v[g, 0].tobytes()] = out[g * G]
+
+    def attention_values(self, v):
+        v = _f(v).copy()
+        for idx in np.ndindex(v.shape[:-1]):
+            row = table.get(v[idx].tobytes())
+            if row is not None:
+                v[idx] = row
+        return v
+
+    return type("MeasuredValues", (Model,), {"attention_values": attention_values})
 
 
 #: probes whose answer depends on the random stream the spec fixes (EQ-17-FIT's default_rng(seed))

@@ -29,7 +29,8 @@ class QueryOwnPositionKeyUnrotated(Model):
         return _f(q)
 
     def token_scores_for(self, q_post, k_post, codes, C, *, query_pos, b, w, inv, traditional, scale):
-        return _o.token_scores(self.lut(_f(q_post), C, scale), np.asarray(codes))
+        q = _f(self.selection_query(q_post, k_post, query_pos))
+        return _o.token_scores(self.lut(q, C, scale), np.asarray(codes))
 
 
 class PlainAssignment(Model):
