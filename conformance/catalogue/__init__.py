@@ -92,7 +92,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
     Mechanism("attention-values", "values attention reads", "decode-values", _CACHE_DECODE),
     Mechanism("attention-set", "selected set or multiset", "decode-attend", _CACHE_DECODE + ("RET-ATTN",)),
     Mechanism("cache-codes", "codes the cache assigns", "cache-decode", ("CACHE-FAR-CODES",)),
-    Mechanism("cache-values", "values the cache attends", "cache-decode", ("CACHE-DECODE", "CACHE-DENSE-EQUIV")),
+    Mechanism("cache-values", "values the cache attends", "cache-values", ("CACHE-DECODE", "CACHE-DENSE-EQUIV")),
     Mechanism("selection-signal", "selection signal", "decode-select", _CACHE_DECODE + ("RET-LUT",)),
     Mechanism("decode-far-logits", "decode's LUT query", "decode-lut", _CACHE_DECODE + ("RET-LUT",)),
     Mechanism("kmeans-init", "k-means++ inverse CDF", "kmeans-init", ("EQ-17-INIT",)),
@@ -284,6 +284,8 @@ RECORDS: tuple[Record, ...] = (
            source="port: bf16 value cache", deviation="values-quantized"),
     Record("cache-values", "int8", "the cache holds 8-bit values (absmax per token)",
            _dv("values-quantized", "ValuesInt8"), source="port: int8 value cache", deviation="values-quantized"),
+    Record("cache-values", "quantized", "the cache changes values by a lossy rule of its own (e.g. vector-quantized "
+           "values)", catch_all=True, source="port"),
     Record("selection-signal", "spec", "tokens scored with the true query", source="SPEC RET-LUT", kind="spec"),
     Record("selection-signal", "key-proxy", "tokens scored with the newest key standing in for the query",
            _dv("key-as-proxy-query", "ProxyQuery"), source="port: VeloxQuant-MLX", deviation="key-as-proxy-query"),

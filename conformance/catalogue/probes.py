@@ -120,7 +120,7 @@ def _signs(rng, shape):
 
 #: the values of every decode probe but the values probe's first call: exact in float16, bfloat16 and 8-bit
 #: absmax, and each measured on its own by the values probe, so a port's own value rule can be replayed
-POOL = _signs(np.random.default_rng(5), (NKV, 16, D))
+POOL = _signs(np.random.default_rng(5), (NKV, 24, D))
 
 
 def _decode_inputs(rng, T, K, inv):
@@ -238,7 +238,8 @@ def _cache_save_probe(rng):
     path = TMP_PLACEHOLDER + "/profile-cache"
     T = 24
     q = oracle.rope_apply(rng.standard_normal((NQ, D)) * 2.0, np.full(NQ, T - 1.0), _inv(), traditional=True)
-    calls = [("make_cache", (cfg,), {}), ("cache0.append", _tokens(rng, 0, T), {}), ("cache0.decode", (q,), {}),
+    calls = [("make_cache", (cfg,), {}), ("cache0.append", (_tokens(rng, 0, T)[0], POOL[:, :T]), {}),
+             ("cache0.decode", (q,), {}),
              ("cache0.save", (path,), {}), ("cache0.load", (path,), {}), ("cache1.decode", (q,), {})]
     return dict(calls=calls, clause="CACHE-SAVE", needs=("make_cache",), cache_ops=("append", "decode", "save_load"),
                 max_position=300.0)
@@ -246,15 +247,24 @@ def _cache_save_probe(rng):
 
 def _cache_decode_probe(rng):
     T = 10
-    cfg = _cache_config(rng, w=T, sinks=0, topk=0.1, b=37)   # every token in the window: the selection is all
-    k, _ = _tokens(rng, 0, T)
-    v = rng.standard_normal((NKV, T, D)) * 3.0
-    q = oracle.rope_apply(rng.standard_normal((NQ, D)), np.full(NQ, T - 1.0), _inv(), traditional=True)
+    cfg = _cache_config(rng)
+    k, v = _tokens(rng, 0, T)
     calls = [("make_cache", (cfg,), {}), ("cache0.append", (k[:, :4], v[:, :4]), {}),   # two chunks: the second
-             ("cache0.append", (k[:, 4:], v[:, 4:]), {}), ("cache0.codes", (), {}),     # starts past position 0
-             ("cache0.decode", (q,), {})]
-    return dict(calls=calls, clause="CACHE-DECODE", needs=("make_cache",), cache_ops=("append", "decode"),
+             ("cache0.append", (k[:, 4:], v[:, 4:]), {}), ("cache0.codes", (), {})]     # starts past position 0
+    return dict(calls=calls, clause="CACHE-FAR-CODES", needs=("make_cache",), cache_ops=("append",),
                 max_position=64.0)
+
+
+def _cache_values_probe(rng):
+    T = 10
+    cfg = _cache_config(rng, w=T, sinks=0, topk=0.1)   # every token in the window: the selection is all
+    cfg["Cz"] = np.zeros_like(cfg["Cz"])               # and C = 0: exact and quantized keys both score 0
+    cfg["C"] = np.zeros_like(cfg["C"])
+    k = np.zeros((NKV, T, D))
+    v = rng.standard_normal((NKV, T, D)) * 3.0
+    calls = [("make_cache", (cfg,), {}), ("cache0.append", (k, v), {}),
+             ("cache0.decode", (rng.standard_normal((NQ, D)),), {})]
+    return dict(calls=calls, clause="CACHE-DECODE", needs=("make_cache",), cache_ops=("append", "decode"))
 
 
 #: probe id -> builder; probes run in this order, and each later probe's predictions compose the variants
@@ -262,7 +272,7 @@ def _cache_decode_probe(rng):
 _BUILDERS = {
     "rope": _rope_probe, "freqs": _freqs_probe, "far": _far_probe, "moment": _moment_probe,
     "assign": _assign_probe, "far-keys": _far_keys_probe, "topk": _topk_probe, "select": _select_probe,
-    "decode-values": _decode_values_probe, "decode-attend": _decode_attend_probe, "cache-decode": _cache_decode_probe,
+    "decode-values": _decode_values_probe, "decode-attend": _decode_attend_probe, "cache-decode": _cache_decode_probe, "cache-values": _cache_values_probe,
     "decode-select": _decode_select_probe, "decode-lut": _decode_lut_probe, "kmeans-init": _kmeans_init_probe,
     "lloyd": _lloyd_probe, "kmeans": _kmeans_probe, "codes-dtype": _codes_dtype_probe,
     "cache-trim": _cache_trim_probe, "cache-save": _cache_save_probe,
