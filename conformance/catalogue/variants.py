@@ -14,7 +14,7 @@ from a2ats_spec import oracle as _o
 
 from ..deviations import Model, _f
 
-__all__ = ["AuthorsAbsoluteStop", "AuthorsEmptyZero", "AuthorsInt64Codes", "AuthorsNothingSelected", "NoSelection",
+__all__ = ["AuthorsAbsoluteStop", "AuthorsEmptyZero", "AuthorsInt64Codes", "AuthorsNothingSelected", "FarQueryWithoutRb", "NoSelection",
            "PlainAssignment", "QueryOwnPositionKeyUnrotated"]
 
 
@@ -31,6 +31,13 @@ class QueryOwnPositionKeyUnrotated(Model):
     def token_scores_for(self, q_post, k_post, codes, C, *, query_pos, b, w, inv, traditional, scale):
         q = _f(self.selection_query(q_post, k_post, query_pos))
         return _o.token_scores(self.lut(q, C, scale), np.asarray(codes))
+
+
+class FarQueryWithoutRb(Model):
+    """far_query without R_b (b = 0): the de-rotated query q_pre itself; wrope_scores and H keep R_b."""
+
+    def far_query(self, q, *, b, inv_freqs, traditional, positions=None):
+        return Model.far_query(self, q, b=0, inv_freqs=inv_freqs, traditional=traditional, positions=positions)
 
 
 class PlainAssignment(Model):

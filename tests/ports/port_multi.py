@@ -29,9 +29,8 @@ class _Port:
                 setattr(self, name, fn)
 
     def make_cache(self, config):
-        cache = P.NumpyCache(config)
-        cache.decode_step = self.decode_step
-        return cache
+        # a class of its own, so that a loaded cache (type(self)(config)) decodes as this port does
+        return type("Cache", (P.NumpyCache,), {"decode_step": staticmethod(self.decode_step)})(config)
 
 
 # ----------------------------------------------------------------------------- a compression-style port
@@ -193,9 +192,15 @@ class AuthorsPort(_Port):
         return (out, mask) if return_mask else out
 
     def make_cache(self, config):
-        cache = super().make_cache(config)
-        cache.codes_ = cache.codes_.astype(np.int64)
-        return cache
+        port = self
+
+        class Cache(P.NumpyCache):
+            decode_step = staticmethod(port.decode_step)
+
+            def __init__(self, config):
+                super().__init__(config)
+                self.codes_ = self.codes_.astype(np.int64)
+        return Cache(config)
 
 
 MULTI = {cls.__name__: cls for cls in (CompressionPort, CalibrationPort, AuthorsPort)}
