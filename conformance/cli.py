@@ -272,8 +272,8 @@ def _cause_lines(c: dict) -> list[str]:
     causes = [lc for lc in cex["likely_causes"] if isinstance(lc, dict)]
     if not causes:
         return ["likely cause: no known cause matched"]
-    return [f"likely cause: {lc.get('cause')} ({lc.get('matched')}/{lc.get('of')} failing examples) [{lc.get('id')}]"
-            for lc in causes]
+    return [f"{'likely cause' if lc.get('likely', True) else 'also consistent'}: {lc.get('cause')} "
+            f"({lc.get('matched')}/{lc.get('of')} failing examples) [{lc.get('id')}]" for lc in causes]
 
 
 def write_reports(report: dict, a) -> None:
@@ -305,7 +305,8 @@ def _md_failure(cid: str, c: dict) -> list[str]:
     if cex.get("case"):
         out.append(f"- case: `{json.dumps(cex['case'], default=str)[:400]}`")
     for lc in cex.get("likely_causes") or ():   # diagnose.py: {"id", "cause", "matched", "of"}
-        out.append(f"- likely cause: {lc.get('cause')}, matches {lc.get('matched')}/{lc.get('of')} failing examples "
+        label = "likely cause" if not isinstance(lc, dict) or lc.get("likely", True) else "also consistent"
+        out.append(f"- {label}: {lc.get('cause')}, matches {lc.get('matched')}/{lc.get('of')} failing examples "
                    f"[`{lc.get('id')}`]" if isinstance(lc, dict) else f"- likely cause: {lc}")
     if "likely_causes" in cex and not cex["likely_causes"]:
         out.append("- likely cause: no known cause matched")

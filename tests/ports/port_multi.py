@@ -128,6 +128,10 @@ class AuthorsPort(_Port):
         "RET-TOPK": "authors: float32 top-k product",
         "RET-SELECT": "authors: nothing selected at a top-k count of 0; float32 top-k product",
         "RET-DECODE": "authors: float32 top-k product; nothing selected at a top-k count of 0",
+        "CACHE-DECODE": "authors: nothing selected at a top-k count of 0 (a NaN output)",
+        "CACHE-TRIM": "authors: nothing selected at a top-k count of 0 (a NaN output)",
+        "CACHE-SAVE": "authors: nothing selected at a top-k count of 0 (a NaN output)",
+        "CACHE-BATCH": "authors: nothing selected at a top-k count of 0 (a NaN output)",
     }
 
     def lloyd_step(self, z, C):
@@ -162,6 +166,7 @@ class AuthorsPort(_Port):
         return _authors_count(T, topk, n_candidates)
 
     def select_tokens(self, scores, *, n_kv_heads, query_pos, w, sinks, topk):
+        P.select_tokens(scores, n_kv_heads=n_kv_heads, query_pos=query_pos, w=w, sinks=sinks, topk=topk)   # checks
         s = np.asarray(scores, np.float64)
         n_q, T = s.shape[-2:]
         G = n_q // n_kv_heads
