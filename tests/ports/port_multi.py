@@ -135,6 +135,7 @@ class AuthorsPort(_Port):
     }
 
     def lloyd_step(self, z, C):
+        P.lloyd_step(z, C)   # its argument checks
         z, C = np.asarray(z, np.float64), np.asarray(C, np.float64)
         d2 = np.sum((z[:, None, :] - C[None]) ** 2, axis=-1)
         labels = np.argmin(d2, axis=1)
@@ -144,6 +145,8 @@ class AuthorsPort(_Port):
         return sums / np.where(counts == 0, 1.0, counts)[:, None], labels, float(d2.min(axis=1).sum())
 
     def kmeans(self, z, K, *, seed, max_iter=300, tol=1e-4):
+        P.kmeans(z, K, seed=seed, max_iter=max_iter if isinstance(max_iter, bool) else 1, tol=tol)   # its checks
+        P._integer(max_iter, "max_iter", 1)
         z = np.asarray(z, np.float64)
         C = P.kmeanspp_init(z, K, np.random.default_rng(seed).random(K))
         history = []
