@@ -413,7 +413,9 @@ def _port_profile(config, st) -> list | None:
     from .catalogue.profile import profile
 
     try:
-        with time_limit(PROFILE_LIMIT_S):
+        # a native hang ends the process after the limit (faulthandler, via the dump file): the tests are done
+        # and reported, so the supervisor only loses the profile
+        with time_limit(PROFILE_LIMIT_S, dump_path(st["run_dir"], "a2ats-port-profile")):
             return profile(st["adapter"], dtype=st["dtypes"][0], caps=st["caps"])
     except ExampleTimeout:
         why = f"the IUT did not return within {PROFILE_LIMIT_S:g} s"

@@ -5,6 +5,7 @@ and the report carries the profile (terminal, JSON, Markdown)."""
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from a2ats_conformance import catalogue as K
@@ -149,3 +150,29 @@ def test_report_schema_takes_the_profile():
     assert validate(rows, {"type": "array", "items": SCHEMA["$defs"]["profile_row"]}, SCHEMA) == []
     assert validate([{"mechanism": "x"}], {"type": "array", "items": SCHEMA["$defs"]["profile_row"]}, SCHEMA)
     assert validate_report  # the full report is validated in test_report.py
+
+
+def test_a_port_refusing_leading_dims_is_told_so_in_one_line(tmp_path):
+    """A callable that raises a framework error on SPEC's leading batch dims fails with one line that says so
+    (and where README-ADAPTER.md states them), not with the raw error."""
+    from a2ats_conformance.pytest_helpers import ConformanceFailure, Context
+
+    class FlatOnly:
+        name, version, dtypes = "flat", "1", ("float64",)
+
+        def assign(self, k, C, H):
+            if np.ndim(k) > 1:
+                raise TypeError("expected a 1-D tensor")
+            return int(np.argmin(np.sum((C - k) ** 2, axis=-1)))
+
+    ctx = Context(FlatOnly(), iut_spec="m:FlatOnly", dtype="float64", clauses=("EQ-14",), nodeid="t",
+                  counterexample_dir=str(tmp_path))
+    H, C = np.eye(4), np.eye(4)
+    assert ctx.call("assign", np.ones(4), C, H) == 0
+    with pytest.raises(ConformanceFailure) as e:
+        ctx.call("assign", np.ones((3, 4)), C, H)
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("error[EQ-14]: assign raised TypeError (expected a 1-D tensor) on an input with leading "
+                            "dims (3,)") and "README-ADAPTER.md, 'Leading dims'" in first
+    with pytest.raises(ConformanceFailure, match="must raise ValueError, raised TypeError"):   # judged as before
+        ctx.expect_value_error("assign", np.ones((3, 4)), C, H, what="x")
