@@ -94,7 +94,8 @@ def _pytest_args(a, ini_path: str, cex_dir: str, repro_prefix: str) -> list[str]
     # Our own empty ini file: a project's pytest configuration must not leak into the suite.
     args = [SUITE_DIR, "-c", ini_path, "--rootdir", SUITE_DIR, "-p", "no:cacheprovider",
             f"--hypothesis-profile={a.profile}", "-q" if not a.verbose else "-v",
-            "--tb=short", "-W", "ignore::pytest.PytestAssertRewriteWarning",
+            # without -v the child prints no tracebacks: the verdict and profile come first, the evidence after
+            *(["--tb=short"] if a.verbose else ["--tb=no", "-rN"]), "-W", "ignore::pytest.PytestAssertRewriteWarning",
             f"--counterexample-dir={cex_dir}", f"--a2ats-example-timeout={a.example_timeout}"]
     if a.iut is not None:
         args.append(f"--iut={a.iut}")
@@ -264,6 +265,24 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def evidence_text(report: dict) -> str:
+    """After the table: each failing clause's full message, its diagnosis and its replay command."""
+    out = []
+    for cid, c in report["clauses"].items():
+        if c["status"] not in FAILING:
+            continue
+        cex = c.get("counterexample") or {}
+        out.append(f"--- {cid}: {c['status']} ({cex.get('test', '?')})")
+        msg = (cex.get("message") or "").rstrip()
+        if msg:
+            out.append(msg)
+        if cex.get("help") and cex["help"] not in msg:
+            out.append("\n".join("  " + ln for ln in cex["help"].splitlines()))
+        if cex.get("repro") and cex["repro"] not in msg:
+            out.append(f"  replay: {cex['repro']}")
+    return ("evidence (failing clauses, in SPEC order):\n" + "\n".join(out)) if out else ""
+
+
 def _cause_lines(c: dict) -> list[str]:
     """A failing clause's likely causes (diagnose.py), one line each, for the terminal table."""
     cex = c.get("counterexample") or {}
@@ -419,6 +438,9 @@ def main(argv=None) -> int:
     for w in report["xfail_warnings"]:
         warnings.warn(f"known-deviations file {a.xfails}: {w}", XfailWarning, stacklevel=1)
     print(format_table(report))
+    evidence = evidence_text(report)
+    if evidence:
+        print(evidence)
     write_reports(report, a)
     if report["run"]["error"]:
         print(f"a2ats-conformance: {report['run']['error']}", file=sys.stderr)

@@ -37,7 +37,7 @@ _HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.da
        HealthCheck.filter_too_much, HealthCheck.large_base_example]
 PROFILES = {"quick": 8, "ci": 50, "thorough": 500, "selftest": 12}
 for _name, _n in PROFILES.items():
-    settings.register_profile(_name, max_examples=_n, deadline=None, database=None, print_blob=True,
+    settings.register_profile(_name, max_examples=_n, deadline=None, database=None, print_blob=False,
                               suppress_health_check=_HC,
                               # selftest (mutant runs): a failure is all we need, so skip shrinking
                               **({"phases": [Phase.explicit, Phase.reuse, Phase.generate]} if _name == "selftest" else {}))
