@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..deviations import by_id
-from . import variants as V
+from a2ats_conformance.deviations import by_id
+from a2ats_conformance.catalogue import variants as V
 
 __all__ = ["Mechanism", "Record", "MECHANISMS", "RECORDS", "records_of", "mechanism", "mutant"]
 
@@ -372,7 +372,7 @@ def mutant(r: Record):
     """A port with exactly this record's variant: its mutants.py class when it has one (imports MLX), else the
     model as a float64 adapter (deviations.DeviantAdapter's construction)."""
     if r.mutant is not None:
-        from .. import mutants as M
+        from a2ats_conformance import mutants as M
 
         for group in ("MUTANTS", "COVERAGE_MUTANTS", "GAP_MUTANTS"):
             cls = getattr(M, group).get(r.mutant)
@@ -386,8 +386,8 @@ def model_adapter(model_cls):
     """An adapter whose callables are ``model_cls()``'s (the faithful model with None), in float64."""
     from types import SimpleNamespace
 
-    from ..adapter import FUNCTION_NAMES
-    from ..deviations import Model
+    from a2ats_conformance.harness.adapter import FUNCTION_NAMES
+    from a2ats_conformance.deviations import Model
 
     m = (model_cls or Model)()
     ns = SimpleNamespace(name=f"model {type(m).__name__}", version="model", dtypes=("float64",))

@@ -232,7 +232,7 @@ def _cache_trim_probe(rng):
 
 
 def _cache_save_probe(rng):
-    from ..repro import TMP_PLACEHOLDER
+    from a2ats_conformance.repro import TMP_PLACEHOLDER
 
     cfg = _cache_config(rng, w=5, b=300, sinks=2, topk=0.2, scale=0.6)
     path = TMP_PLACEHOLDER + "/profile-cache"
@@ -280,7 +280,7 @@ _BUILDERS = {
 
 
 def build(probe_id: str) -> Probe:
-    from . import MECHANISMS
+    from a2ats_conformance.catalogue import MECHANISMS
 
     spec = _BUILDERS[probe_id](np.random.default_rng(sorted(_BUILDERS).index(probe_id) + 11))
     mechs = tuple(m.id for m in MECHANISMS if m.probe == probe_id)

@@ -21,12 +21,12 @@ import time
 
 import numpy as np
 
-from ..deviations import Decoded, Model, _f, _round
-from ..diagnose import _ERR, _SKIP, _same, _tie, replay
-from ..repro import fill_placeholder
-from ..tolerances import tolerance
-from . import MECHANISMS, mechanism, record_clauses, records_of
-from .probes import PROBES, build
+from a2ats_conformance.deviations import Decoded, Model, _f, _round
+from a2ats_conformance.diagnose import _ERR, _SKIP, _same, _tie, replay
+from a2ats_conformance.repro import fill_placeholder
+from a2ats_conformance.harness.tolerances import tolerance
+from a2ats_conformance.catalogue import MECHANISMS, mechanism, record_clauses, records_of
+from a2ats_conformance.catalogue.probes import PROBES, build
 
 __all__ = ["profile", "explain", "BUDGET_S", "MAX_DEPARTURES"]
 
@@ -54,7 +54,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _run_port(adapter, calls, tmp: str):
     """The port's outputs on ``calls`` (index -> output) and its errors (index -> first line)."""
-    from ..adapter import NotImplementedByIUT
+    from a2ats_conformance.harness.adapter import NotImplementedByIUT
 
     outs, errs, caches = {}, {}, []
     for idx, (name, args, kwargs) in enumerate(calls):
@@ -205,9 +205,9 @@ def _evidence(run: _Probe, mech: str, picked: dict, bases) -> str:
 def profile(adapter, *, dtype: str, caps: dict | None = None, budget_s: float = BUDGET_S) -> list[dict]:
     """One row per mechanism (catalogue order): {mechanism, title, variant, kind, status, description, evidence,
     probe, clauses}. status: spec | variant | unknown | not-implemented | not-applicable | not-run | error."""
-    from ..adapter import NotImplementedByIUT, has_function
+    from a2ats_conformance.harness.adapter import NotImplementedByIUT, has_function
 
-    from ..capabilities import FULL
+    from a2ats_conformance.harness.capabilities import FULL
 
     caps = caps or FULL
     t0 = time.monotonic()
