@@ -13,6 +13,7 @@ with each single variant's fit as evidence.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import shutil
@@ -52,28 +53,30 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
 
 
-def _run_port(adapter, calls, tmp: str):
-    """The port's outputs on ``calls`` (index -> output) and its errors (index -> first line)."""
+def _run_port(adapter, calls, tmp: str, guard=contextlib.nullcontext):
+    """The port's outputs on ``calls`` (index -> output) and its errors (index -> first line). Each call runs
+    under ``guard()`` (the plugin's per-call time limit: a hang ends the profile, not the run's verdicts)."""
     from a2ats_conformance.harness.adapter import NotImplementedByIUT
 
     outs, errs, caches = {}, {}, []
     for idx, (name, args, kwargs) in enumerate(calls):
         a = tuple(fill_placeholder(x, tmp) for x in args)
         try:
-            if name == "make_cache":
-                caches.append(adapter.make_cache(*a, **kwargs))
-                outs[idx] = _SKIP
-            elif name.startswith("cache") and "." in name:
-                ci, meth = name[len("cache"):].split(".", 1)
-                res = getattr(caches[int(ci)], meth)(*a, **kwargs)
-                if meth == "load":
-                    caches.append(res)
-                outs[idx] = None if meth in ("load", "save", "append", "trim") else res
-            else:
-                res = getattr(adapter, name)(*a, **kwargs)
-                # a list of numbers inside a result (k-means' history) is an array, as the properties read it
-                outs[idx] = tuple(np.asarray(x) if isinstance(x, list) else x for x in res) \
-                    if isinstance(res, tuple) else res
+            with guard():
+                if name == "make_cache":
+                    caches.append(adapter.make_cache(*a, **kwargs))
+                    outs[idx] = _SKIP
+                elif name.startswith("cache") and "." in name:
+                    ci, meth = name[len("cache"):].split(".", 1)
+                    res = getattr(caches[int(ci)], meth)(*a, **kwargs)
+                    if meth == "load":
+                        caches.append(res)
+                    outs[idx] = None if meth in ("load", "save", "append", "trim") else res
+                else:
+                    res = getattr(adapter, name)(*a, **kwargs)
+                    # a list of numbers inside a result (k-means' history) is an array, as the properties read it
+                    outs[idx] = tuple(np.asarray(x) if isinstance(x, list) else x for x in res) \
+                        if isinstance(res, tuple) else res
         except NotImplementedByIUT:
             raise
         except Exception as exc:  # noqa: BLE001 - what the port raised is evidence
@@ -202,7 +205,8 @@ def _evidence(run: _Probe, mech: str, picked: dict, bases) -> str:
     return f"probe {run.p.id}: " + "; ".join(parts)
 
 
-def profile(adapter, *, dtype: str, caps: dict | None = None, budget_s: float = BUDGET_S) -> list[dict]:
+def profile(adapter, *, dtype: str, caps: dict | None = None, budget_s: float = BUDGET_S,
+            guard=contextlib.nullcontext) -> list[dict]:
     """One row per mechanism (catalogue order): {mechanism, title, variant, kind, status, description, evidence,
     probe, clauses}. status: spec | variant | unknown | not-implemented | not-applicable | not-run | error."""
     from a2ats_conformance.harness.adapter import NotImplementedByIUT, has_function
@@ -237,7 +241,7 @@ def profile(adapter, *, dtype: str, caps: dict | None = None, budget_s: float = 
                          for n, a, kw in _declared(probe.calls, caps)]
                 probe = type(probe)(**{**probe.__dict__, "calls": calls})
                 try:
-                    port, errs = _run_port(adapter, calls, tmp)
+                    port, errs = _run_port(adapter, calls, tmp, guard)
                 except NotImplementedByIUT as exc:
                     port, errs, status, note = {}, {}, "not-implemented", str(exc)
                 if status is None and errs and len(errs) == len(calls):

@@ -401,7 +401,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                     yellow=True)
 
 
-#: seconds the port profile may take in all, IUT calls included (a hung call ends it, the verdicts stand)
+#: the most seconds one IUT call of the port profile may take (a hung call ends the profile; the verdicts stand)
 PROFILE_LIMIT_S = 60.0
 
 
@@ -412,13 +412,14 @@ def _port_profile(config, st) -> list | None:
         return None
     from a2ats_conformance.catalogue.profile import profile
 
+    # each IUT call gets --a2ats-example-timeout (at most PROFILE_LIMIT_S); a native hang ends the process after
+    # it (faulthandler, via the dump file): the tests are done and reported, so only the profile is lost
+    limit = min(config.getoption("a2ats_example_timeout") or PROFILE_LIMIT_S, PROFILE_LIMIT_S)
+    dump = dump_path(st["run_dir"], "a2ats-port-profile")
     try:
-        # a native hang ends the process after the limit (faulthandler, via the dump file): the tests are done
-        # and reported, so the supervisor only loses the profile
-        with time_limit(PROFILE_LIMIT_S, dump_path(st["run_dir"], "a2ats-port-profile")):
-            return profile(st["adapter"], dtype=st["dtypes"][0], caps=st["caps"])
+        return profile(st["adapter"], dtype=st["dtypes"][0], caps=st["caps"], guard=lambda: time_limit(limit, dump))
     except ExampleTimeout:
-        why = f"the IUT did not return within {PROFILE_LIMIT_S:g} s"
+        why = f"an IUT call did not return within {limit:g} s"
     except Exception as exc:  # noqa: BLE001 - the profile must never take the verdicts down
         why = f"{type(exc).__name__}: {exc}"
     return [{"mechanism": "profile", "title": "port profile", "probe": "", "status": "error", "variant": "error",
