@@ -1,4 +1,4 @@
-"""Likely cause of a failing clause (issue 9, item 2): replay its failing examples through every known
+"""Likely cause of a failing clause: replay its failing examples through every known
 deviation (deviations.py) and report each one that explains them.
 
 A failing example is the IUT's calls and outputs as Context recorded them. For one deviation variant,

@@ -1,4 +1,4 @@
-"""Diagnosis (issue 9, items 2-4): every known deviation is named when a port has it and never on the
+"""Diagnosis: every known deviation is named when a port has it and never on the
 faithful model; EQ-10's revealing example has b >= 1; selection failures name the wrong token's role."""
 
 import json

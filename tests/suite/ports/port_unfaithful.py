@@ -1,5 +1,5 @@
-"""Unfaithful ports: the independent NumPy port with exactly one known bug each (issue 9, "Unfaithful ports
-are named").
+"""Unfaithful ports: the independent NumPy port with exactly one known bug each, so that the diagnosis can be
+shown to name each bug.
 
 Each class is a port a real author could write: the NumPy port (conformance/examples/numpy_port.py) with one
 callable (and, where the bug lives there, its cache) replaced. They are written here, independently of the

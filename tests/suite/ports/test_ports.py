@@ -1,4 +1,4 @@
-"""Issue 9, "Done when": faithful ports pass the ci profile with 0 fail; each unfaithful port fails the clause
+"""Faithful ports pass the ci profile with 0 fail; each unfaithful port fails the clause
 its bug violates and the report names the bug as the likely cause (deviation id of conformance/deviations.py)."""
 
 import numpy as np
