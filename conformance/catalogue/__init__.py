@@ -336,7 +336,7 @@ RECORDS: tuple[Record, ...] = (
            source="SPEC CACHE-TRIM", kind="spec"),
     Record("cache-trim", "keeps-codes", "trimmed tokens' codes kept for the tokens written in their place",
            _dv("trim-keeps-codes", "TrimKeepsCodes"), source="port", deviation="trim-keeps-codes"),
-    Record("cache-trim", "keeps-counter", "the position counter used to code later tokens not rolled back",
+    Record("cache-trim", "keeps-counter", "the position counter that codes later tokens not rolled back",
            _dv("trim-keeps-position-counter", "TrimKeepsCounter"), mutant="TrimForgetsPositions", source="port",
            kind="shipped", deviation="trim-keeps-position-counter"),
     Record("cache-save", "spec", "save/load keeps every token and parameter", source="SPEC CACHE-SAVE", kind="spec"),
