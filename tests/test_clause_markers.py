@@ -27,6 +27,7 @@ CLAUSE_FREE = {
     "runtime/test_cache_support.py": "helpers shared by the cache tests",
     "test_clause_markers.py": "this meta-test",
     "runtime/test_codebook_file.py": "the codebook file format: checksums, pickle refusal, corrupt files",
+    "suite/test_profile.py": "the port profile and its catalogue: which variant a port shows, not a clause's rule",
     "suite/test_conformance.py": "the conformance CLI run against the reference: every clause at once, judged by the suite",
     "suite/test_conformance_honesty.py": "the suite's harness: timeouts, crashes, interrupts, partial adapters",
     "suite/test_conformance_meta.py": "the suite's own structure: every clause has a property, every property a clause",

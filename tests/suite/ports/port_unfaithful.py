@@ -159,7 +159,7 @@ class TopkOverT(_OneBug):
             return P.select_tokens(s, topk=k, **kw)
         if forced.any():                                      # no candidate at all: sinks and window only
             return P.select_tokens(s, topk=1, **kw) & forced
-        return P.select_tokens(s, topk=1, **kw) & (np.arange(T) == query_pos)   # never empty: own token
+        return np.zeros_like(P.select_tokens(s, topk=1, **kw)) | (np.arange(T) == query_pos)   # never empty: own token
 
 
 # ----------------------------------------------------------------------------- decode
