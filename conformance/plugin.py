@@ -28,7 +28,6 @@ from . import xfails as _xf
 from .adapter import (CACHE_FUNCTIONS, CLAUSE_FUNCTIONS, AdapterError, NotImplementedByIUT, describe,
                       has_function, load_adapter, resolve_iut_spec)
 from .pytest_helpers import Context, ConformanceFailure
-from .reveal import BUDGET_S as REVEAL_BUDGET_S
 from .watchdog import DEFAULT_EXAMPLE_TIMEOUT_S, ExampleTimeout, dump_path, time_limit
 
 __all__ = ["PROFILES", "known_clauses", "item_clauses", "current_profile"]
@@ -288,9 +287,8 @@ def pytest_runtest_call(item):
     if outcome.excinfo is not None and ctx.failures:   # diagnosis: only ever after a failure
         from .diagnose import explain_failure
 
-        try:   # diagnosis calls the IUT again (revealing search): it gets the same limit, after its own budget
-            with time_limit(limit and limit + REVEAL_BUDGET_S, dump):
-                explain_failure(item, ctx, outcome.excinfo[1])
+        try:   # diagnosis calls the IUT again (revealing search): each of those examples gets the same hang limit
+            explain_failure(item, ctx, outcome.excinfo[1], guard=lambda: time_limit(limit, dump))
         except ExampleTimeout:
             item.add_report_section("call", "a2ats diagnosis", "diagnosis stopped: the IUT did not return in time")
         except Exception as exc:  # noqa: BLE001 - diagnosis must never hide the failure it explains
