@@ -23,7 +23,7 @@ __all__ = [
     "MAX_POSITION", "head_dims", "rope_params", "layouts", "topk_values", "topk_for_count", "gqa_heads", "positions", "spd_matrices",
     "rope_scaling_dict", "LLAMA3_OPTIONAL",
     "rng_from", "as_strategy", "normal", "codebook_case", "large_codebook_case", "scores_case", "kmeans_points",
-    "LONG_POSITION", "max_positions",
+    "LONG_POSITION", "max_positions", "WIDE_GROUPS", "KMEANS_BLOCK", "PAST_BLOCK_SIZES",
 ]
 
 #: Largest absolute position of most draws (the tolerance table's bound, tolerances.TABLE_MAX_POSITION).
@@ -132,11 +132,20 @@ def rope_params(draw, *, head_dim=None, max_dim: int = 64, scaled: bool = True):
     return {"d": d, "base": base, "scaling": scaling, "traditional": traditional, "inv_freqs": inv}
 
 
+#: GQA group sizes past the small ones: Llama-3-70B has 8 query heads per KV head, some models 16; 9 is the
+#: first size an 8-lane head mask gets wrong.
+WIDE_GROUPS = (4, 8, 9, 16)
+
+
 @st.composite
-def gqa_heads(draw, *, max_kv: int = 3, max_group: int = 3):
-    """(n_q, n_kv) with n_q = G * n_kv."""
-    n_kv = draw(st.integers(1, max_kv), label="n_kv")
-    G = draw(st.integers(1, max_group), label="G")
+def gqa_heads(draw, *, max_kv: int = 3, max_group: int = 16):
+    """(n_q, n_kv) with n_q = G * n_kv: G of 1-3 or one of WIDE_GROUPS (up to max_group; n_kv <= 2 then)."""
+    if not isinstance(max_group, int) or max_group < 1:
+        raise ValueError(f"max_group: expected an int >= 1, got {max_group!r}")
+    wide = [g for g in WIDE_GROUPS if 3 < g <= max_group]
+    small = st.integers(1, min(3, max_group))
+    G = draw(st.one_of(small, st.sampled_from(wide)) if wide else small, label="G")
+    n_kv = draw(st.integers(1, max_kv if G <= 3 else min(2, max_kv)), label="n_kv")
     return n_kv * G, n_kv
 
 
@@ -238,21 +247,32 @@ def scores_case(draw, *, max_T: int = 48, leads=None):
             "topk": topk, "seed": seed, "scores": s}
 
 
+#: Rows of one distance block of a blocked k-means (the reference's BLOCK_ROWS on the CPU): kmeans_points'
+#: ``past_block`` sizes straddle it, so a bug confined to one block shows.
+KMEANS_BLOCK = 512
+PAST_BLOCK_SIZES = (513, 700, 1100)
+
+
 @st.composite
-def kmeans_points(draw, *, max_N: int = 40, max_dim: int = 8, max_K: int = 6):
-    """Points z (N, d) with N >= K distinct points, and K."""
+def kmeans_points(draw, *, max_N: int = 40, max_dim: int = 8, max_K: int = 6, past_block: bool = False):
+    """Points z (N, d) with N >= K distinct points, and K. ``past_block``: N from PAST_BLOCK_SIZES (more than one
+    KMEANS_BLOCK), clustered; the cluster centres come back as ``centres``."""
     d = draw(st.integers(1, max_dim), label="d")
     K = draw(st.integers(1, max_K), label="K")
-    N = draw(st.integers(K, max(K, max_N)), label="N")
+    if past_block:
+        N = draw(st.sampled_from(PAST_BLOCK_SIZES), label="N")
+    else:
+        N = draw(st.integers(K, max(K, max_N)), label="N")
     seed = draw(seeds(), label="seed")
     rng = rng_from(seed)
-    clustered = draw(st.booleans(), label="clustered")
+    clustered = True if past_block else draw(st.booleans(), label="clustered")
+    centres = None
     if clustered:
         centres = normal(rng, (K, d), 5.0)
         z = centres[rng.integers(K, size=N)] + normal(rng, (N, d), 0.3)
     else:
         z = normal(rng, (N, d))
-    return {"z": z, "K": K, "N": N, "d": d, "seed": seed, "clustered": clustered}
+    return {"z": z, "K": K, "N": N, "d": d, "seed": seed, "clustered": clustered, "centres": centres}
 
 
 __all__ += ["leading_keys_case"]

@@ -1347,7 +1347,7 @@ class PrefillPositiveAxes(Mutant):
 class GroupUnionFirst8Heads(Mutant):
     expected_clause = "RET-SELECT"
     bug = "the GQA union keeps an 8-lane head mask: in groups of 9-16 query heads only the first 8 heads' top-k count"
-    gap = "test_retrieval.py::test_select_tokens_matches_oracle"
+    gap = "test_retrieval.py::test_select_tokens_is_an_allowed_selection"
 
     def select_tokens(self, scores, *, n_kv_heads, **kw):
         s = np.asarray(scores)
@@ -1415,7 +1415,8 @@ class _Float16LutOperandCache(_SameClassOnLoad, ReferenceCache):
 class CacheFloat16LutOperand(Mutant):
     expected_clause = "CACHE-DECODE"
     bug = "the cache's LUT operand (C transposed) held in float16: the decode ranks near ties by float16 codewords"
-    gap = "test_cache.py::test_decode_near_ties"
+    gap = "test_cache_near_ties.py::test_cache_decode_near_ties"
+    expected_cause = "float16-lut"
 
     def make_cache(self, config):
         return _Float16LutOperandCache(config)

@@ -14,6 +14,7 @@ FAITHFUL = {
     "port_fraction_topk:Adapter": (["RET-TOPK", "RET-SELECT", "RET-DECODE", "CODES-DTYPE", *_CACHE],
                                    {"CACHE-TRIM", "CACHE-SAVE"} | ({"CACHE-BATCH"} & set(_CACHE))),
     "port_own_rng:Adapter": (["EQ-17-INIT", "EQ-17-FIT"], set()),
+    "port_own_token_from_key:Adapter": (["RET-DECODE"], set()),
     "port_half_layout:Adapter": (["INPUT-ERRORS", "ROPE-APPLY", "ROPE-INVERSE", "EQ-10", "EQ-11", "EQ-12",
                                   "RET-DECODE", *_CACHE], set()),
 }
