@@ -92,7 +92,8 @@ def topk_for_count(k: int, n_visible: int):
 
 
 #: ROPE-FREQ's optional llama3 keys -> values a config may give (the spec's default first; every low value is
-#: below every high one). rope_params leaves each out at random, so a port's own defaults are read.
+#: below every high one). rope_params gives every key (real configs do); with ``leave_out`` it leaves each out
+#: at random, so a port's own defaults are read (test_rope's defaults test only).
 LLAMA3_OPTIONAL = {"low_freq_factor": (1.0, 2.0), "high_freq_factor": (4.0, 8.0),
                    "original_max_position_embeddings": (8192, 4096, 32768)}
 #: How a config names the type (ROPE-FREQ reads it as mlx-lm does: ``type``, else ``rope_type``); HF configs
@@ -108,8 +109,11 @@ def rope_scaling_dict(kind: str, type_key: str = "rope_type") -> dict:
 
 
 @st.composite
-def rope_params(draw, *, head_dim=None, max_dim: int = 64, scaled: bool = True):
-    """{'d', 'base', 'scaling', 'traditional', 'inv_freqs'} with inv_freqs from the oracle (float64)."""
+def rope_params(draw, *, head_dim=None, max_dim: int = 64, scaled: bool = True, leave_out: bool = False):
+    """{'d', 'base', 'scaling', 'traditional', 'inv_freqs'} with inv_freqs from the oracle (float64).
+
+    A llama3 scaling gives all of LLAMA3_OPTIONAL (each its default or another value), as every released config
+    does; ``leave_out``: each key may be left out (ROPE-FREQ's defaults apply)."""
     d = draw(as_strategy(head_dim, "head_dim") if head_dim is not None else head_dims(max_dim=max_dim), label="head_dim")
     if d < 2 or d % 2:
         raise ValueError(f"head_dim: expected an even int >= 2, got {d!r}")
@@ -123,8 +127,9 @@ def rope_params(draw, *, head_dim=None, max_dim: int = 64, scaled: bool = True):
         scaling["factor"] = draw(st.sampled_from([2.0, 4.0, 8.0]), label="factor")
     elif kind == "llama3":
         scaling["factor"] = draw(st.sampled_from([8.0, 2.0, 32.0]), label="factor")
-        for key, values in LLAMA3_OPTIONAL.items():   # each left out (the spec's default) or given, default or not
-            value = draw(st.one_of(st.none(), st.sampled_from(values)), label=key)
+        for key, values in LLAMA3_OPTIONAL.items():   # given (default or not), or with leave_out also left out
+            value = draw(st.one_of(st.none(), st.sampled_from(values)) if leave_out else st.sampled_from(values),
+                         label=key)
             if value is not None:
                 scaling[key] = value
     traditional = draw(layouts(), label="traditional")

@@ -462,7 +462,7 @@ class Llama3WrongDefaults(Mutant):
     expected_clause = "ROPE-FREQ"
     bug = ("llama3 scaling: a left-out original_max_position_embeddings defaults to 4096 and high_freq_factor to 2 "
            "(spec and mlx-lm: 8192 and 4)")
-    gap = "test_rope.py::test_inv_freqs_match_oracle"
+    gap = "test_rope.py::test_llama3_left_out_keys_take_the_defaults"
     expected_cause = "llama3-defaults"
 
     def rope_inv_freqs(self, head_dim, base, scaling=None):
