@@ -1,11 +1,11 @@
-"""Known deviations (issue 9, item 2): the bugs ports are known to have, each written as a variant of
+"""Known deviations: the bugs ports are known to have, each written as a variant of
 the float64 oracle, so that a failing example can be replayed through it (diagnose.py).
 
 ``Model`` is the oracle's algorithm composed from small hooks (which RoPE layout, which far position,
 where the window ends, how many tokens a head keeps, which query scores tokens, ...); every adapter
 callable and a NumPy cache are built from those hooks, so replacing one hook changes every function
 that depends on it, as the bug would in a port. The faithful ``Model()`` equals the oracle (checked in
-tests/test_diagnosis.py). A ``Deviation`` is a stable id, the sentence a port author reads, the
+tests/suite/test_diagnosis.py). A ``Deviation`` is a stable id, the sentence a port author reads, the
 callables it can change, and one or more ``Model`` subclasses (its variants: e.g. float16 or bfloat16).
 
 The ids are stable; tests and unfaithful test ports refer to them (table appended from DEVIATIONS):
@@ -385,7 +385,7 @@ class Model:
 class ModelCache(OracleCache):
     """OracleCache (spec/oracle_cache.py) with its codes and decode taken from a Model, so that a deviation
     of the model is a variant of the oracle cache. Trim hooks: ``trim_codes`` (drop the trimmed codes) and
-    ``trim_counter`` (roll back the position counter used to code later tokens). save/load keep the state
+    ``trim_counter`` (roll back the position counter that codes later tokens). save/load keep the state
     in memory: diagnosis replays run after the test's temporary files are gone."""
 
     trim_codes = True
@@ -942,7 +942,7 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("trim-keeps-codes", "trim() drops keys, values and offset but keeps the trimmed tokens' codes for the "
          "tokens written in their place", {"make_cache"},
          _cache_model("TrimKeepsCodes", "stale codes", trim_codes=False)),
-    _dev("trim-keeps-position-counter", "trim() does not roll back the position counter used to de-rotate (and so "
+    _dev("trim-keeps-position-counter", "trim() does not roll back the position counter that de-rotates (and so "
          "code) later tokens", {"make_cache"},
          _cache_model("TrimKeepsCounter", "counter not rolled back", trim_counter=False)),
     _dev("decode-scores-uncoded", "codes assigned lazily by codes() only: the decode scores tokens not yet coded "
@@ -977,7 +977,7 @@ class DeviantAdapter:
         dev = deviation or self.deviation
         model = Model() if dev is None else by_id(dev).models()[self.variant if variant is None else variant]
         self.name = f"deviant model ({dev or 'faithful'})"
-        from .adapter import FUNCTION_NAMES
+        from a2ats_conformance.harness.adapter import FUNCTION_NAMES
 
         for fn in FUNCTION_NAMES + ("make_cache",):
             setattr(self, fn, getattr(model, fn))

@@ -1,4 +1,4 @@
-"""Likely cause of a failing clause (issue 9, item 2): replay its failing examples through every known
+"""Likely cause of a failing clause: replay its failing examples through every known
 deviation (deviations.py) and report each one that explains them.
 
 A failing example is the IUT's calls and outputs as Context recorded them. For one deviation variant,
@@ -17,9 +17,9 @@ import tempfile
 
 import numpy as np
 
-from .deviations import DEVIATIONS, Decoded, Deviation, Model
-from .repro import fill_placeholder, to_float64 as _up
-from .tolerances import tie_margin, tolerance
+from a2ats_conformance.deviations import DEVIATIONS, Decoded, Deviation, Model
+from a2ats_conformance.repro import fill_placeholder, to_float64 as _up
+from a2ats_conformance.harness.tolerances import tie_margin, tolerance
 
 __all__ = ["diagnose", "help_lines", "replay"]
 
@@ -148,7 +148,7 @@ def _same(port, other, rtol: float, atol: float):
 def _call_tolerance(dtype: str, clause: str, name: str) -> tuple[float, float]:
     """The loosest of the failing clause's tolerance and that of the clause defining the call: a port's
     output is compared here with a float64 model, as the call's own clause compares it."""
-    from .adapter import CLAUSE_FUNCTIONS
+    from a2ats_conformance.harness.adapter import CLAUSE_FUNCTIONS
 
     method = name.split(".", 1)[1] if name.startswith("cache") and "." in name else None
     own = [c for c, fs in CLAUSE_FUNCTIONS.items() if name in fs]
@@ -255,7 +255,7 @@ def help_lines(causes: list[dict], n_examples: int, limit: int = 3) -> list[str]
 
 
 def _jsonable_notes(notes: dict) -> dict:
-    from .pytest_helpers import _jsonable   # plain JSON types: the report crosses pytest-xdist workers
+    from a2ats_conformance.harness.pytest_helpers import _jsonable   # plain JSON types: the report crosses pytest-xdist workers
 
     return {k: _jsonable(v.tolist() if isinstance(v, np.ndarray) else v) for k, v in notes.items()}
 
@@ -264,8 +264,8 @@ def explain_failure(item, ctx, exc, guard=None) -> None:
     """After a failed test: search revealing examples, diagnose every failing example, and add the
     ``help:`` lines to the failure message and ``likely_causes`` / ``revealing`` to the counterexample.
     ``guard()``: a context manager around each revealing try that calls the IUT (the per-example hang limit)."""
-    from . import reveal
-    from .pytest_helpers import ConformanceFailure
+    from a2ats_conformance import reveal
+    from a2ats_conformance.harness.pytest_helpers import ConformanceFailure
 
     minimal = list(ctx.failures)
     last = ctx.last_failure
