@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from a2ats_conformance import hypothesis_helpers as hh
+from a2ats_conformance.harness import hypothesis_helpers as hh
+from a2ats_conformance.harness.tolerances import tie_margin, tolerance
 from a2ats_spec import oracle
 
 from .test_cache import CacheCalls, _oracle_cache
 from .test_retrieval import GAP_IN_MARGINS
-from .tolerances import tie_margin, tolerance
 
 
 @st.composite

@@ -2,7 +2,7 @@
 under many Hypothesis seeds, passes every run of the properties whose tolerance grows with b, positions and
 head_dim (tolerances.py). A flake here is a tolerance smaller than the operation's error bound.
 
-CI runs a few seeds; the measurement of the false-fail rate runs many (``python tests/test_tolerance_flakes.py
+CI runs a few seeds; the measurement of the false-fail rate runs many (``python tests/suite/test_tolerance_flakes.py
 --runs 200``, ``--rotation`` for the other rotation properties too) and prints ``false fails: F of N runs``.
 """
 
@@ -40,15 +40,15 @@ def reference_run(module: str, name: str, seed: int) -> str | None:
     from hypothesis import seed as hseed
     from hypothesis import settings
 
-    from a2ats_conformance import capabilities
     from a2ats_conformance.adapters.reference import ReferenceAdapter
-    from a2ats_conformance import plugin  # noqa: F401 - registers the profiles
-    from a2ats_conformance.pytest_helpers import ConformanceFailure, Context
+    from a2ats_conformance.harness import capabilities
+    from a2ats_conformance.harness.pytest_helpers import ConformanceFailure, Context
+    from a2ats_conformance.run import plugin  # noqa: F401 - registers the profiles
 
     adapter = ReferenceAdapter()
     capabilities.set_current(capabilities.read(adapter))
     try:
-        prop = getattr(importlib.import_module(f"a2ats_conformance.{module}"), name)
+        prop = getattr(importlib.import_module(f"a2ats_conformance.properties.{module}"), name)
         if not getattr(prop, "_a2ats_ci_settings", False):   # settings() may decorate a test once only
             settings(settings.get_profile("ci"))(prop)       # 50 examples, shrinking on, no deadline
             prop._a2ats_ci_settings = True
