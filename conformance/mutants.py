@@ -462,7 +462,7 @@ class Llama3WrongDefaults(Mutant):
     expected_clause = "ROPE-FREQ"
     bug = ("llama3 scaling: a left-out original_max_position_embeddings defaults to 4096 and high_freq_factor to 2 "
            "(spec and mlx-lm: 8192 and 4)")
-    gap = "test_rope.py::test_inv_freqs_match_oracle"
+    gap = "test_rope.py::test_llama3_left_out_keys_take_the_defaults"
     expected_cause = "llama3-defaults"
 
     def rope_inv_freqs(self, head_dim, base, scaling=None):
@@ -1337,3 +1337,85 @@ class PrefillPositiveAxes(Mutant):
         s = np.where(np.arange(Tk)[None, :] <= np.arange(Tq)[:, None] + shift, s, -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
         return (p / p.sum(-1, keepdims=True) @ v).astype(np.float32)
+
+
+# ---- what users have: GQA groups past 8 heads, k-means past one 512-row block, half-precision inputs
+# Each passed the suite whose draws stopped at groups of 3 heads, 40 k-means points and float32 inputs by default.
+
+@_gap
+class GroupUnionFirst8Heads(Mutant):
+    expected_clause = "RET-SELECT"
+    bug = "the GQA union keeps an 8-lane head mask: in groups of 9-16 query heads only the first 8 heads' top-k count"
+    gap = "test_retrieval.py::test_select_tokens_is_an_allowed_selection"
+
+    def select_tokens(self, scores, *, n_kv_heads, **kw):
+        s = np.asarray(scores)
+        G = s.shape[-2] // n_kv_heads
+        if G <= 8:
+            return self._ref.select_tokens(s, n_kv_heads=n_kv_heads, **kw)
+        lanes = np.arange(s.shape[-2]) % G < 8
+        return self._ref.select_tokens(s[..., lanes, :], n_kv_heads=n_kv_heads, **kw)
+
+
+#: rows of one distance block of the reference's k-means (a2ats_ref.eq17_kmeans.BLOCK_ROWS on the CPU)
+_KMEANS_BLOCK = 512
+
+
+@_gap
+class KmeansFirstBlockBias(Mutant):
+    expected_clause = "EQ-17-STEP"
+    bug = "Lloyd assignment over more than one 512-row block adds ||c||^2 twice to the first block's distances " \
+          "(a pipelined block prefetch that also adds the norms): rows 0..511 are pulled to small codewords"
+    gap = "test_eq17_kmeans.py::test_lloyd_step_matches_oracle"
+
+    def lloyd_step(self, z, C):
+        from a2ats_ref.eq17_kmeans import _fix_empty
+        from a2ats_spec.oracle import code_dtype
+
+        z64, C64 = _np(z), _np(C)
+        if z64.shape[0] <= _KMEANS_BLOCK:
+            return self._ref.lloyd_step(z, C)
+        c2 = np.sum(C64 ** 2, axis=1)
+        dist = c2[None, :] - 2.0 * z64 @ C64.T
+        dist[:_KMEANS_BLOCK] += c2[None, :]
+        codes = np.argmin(dist, axis=1)
+        err = np.sum((z64 - C64[codes]) ** 2, axis=1)
+        members = _fix_empty(codes, err, C64.shape[0])
+        C_new = np.stack([z64[members == k].mean(axis=0) for k in range(C64.shape[0])])
+        return C_new.astype(np.float32), codes.astype(code_dtype(C64.shape[0])), float(err.sum())
+
+
+@_gap
+class Float16ScaleDropped(Mutant):
+    expected_clause = "RET-ATTN"
+    bug = "with float16 inputs (a separate half-precision kernel) retrieval attention ignores an explicit scale and " \
+          "uses 1/sqrt(d)"
+    gap = "test_retrieval.py::test_retrieval_attention_matches_oracle"
+
+    def retrieval_attention(self, q, k, v, mask, *, scale=None):
+        if np.asarray(q).dtype == np.float16:
+            scale = None
+        return self._ref.retrieval_attention(q, k, v, mask, scale=scale)
+
+
+class _Float16LutOperandCache(_SameClassOnLoad, ReferenceCache):
+    """The cache's LUT operand Cᵀ is prepared in float16 (half the bytes), so every decode's LUT is a product of
+    float16 codewords: near ties are ranked wrongly."""
+
+    def __init__(self, config, _cache=None):
+        import mlx.core as mx
+
+        super().__init__(config, _cache)
+        cb = self._c.codebook
+        cb.__dict__["CT"] = cb.CT.astype(mx.float16)   # the cached_property's slot: every decode reads it
+
+
+@_gap
+class CacheFloat16LutOperand(Mutant):
+    expected_clause = "CACHE-DECODE"
+    bug = "the cache's LUT operand (C transposed) held in float16: the decode ranks near ties by float16 codewords"
+    gap = "test_cache_near_ties.py::test_cache_decode_near_ties"
+    expected_cause = "float16-lut"
+
+    def make_cache(self, config):
+        return _Float16LutOperandCache(config)

@@ -165,7 +165,7 @@ def test_each_deviation_is_named_when_applied(dev):
         if any(_same(outs[i], faithful[i], 1e-12, 1e-12) is False for i in outs):
             examples.append(_example(calls, outs))
     assert examples, f"{dev.id}: no probe shows the deviation"
-    causes = diagnose(examples, "float64", budget_s=1e9)
+    causes = diagnose(examples, "float64")
     tried = min(len(examples), MAX_EXAMPLES)
     mine = [c for c in causes if c["id"] == dev.id]
     assert mine and mine[0]["matched"] == mine[0]["of"] == tried, (dev.id, causes)
