@@ -115,7 +115,7 @@ class ReferenceAdapter:
         return ReferenceCache(config)
 
     def collection_attention(self, q, k, v, *, scale=None):
-        """CALIB-ATTN: calibration's collection attention (a2ats_ref.collect.causal_attention), (B, n_q, Tq, d)."""
+        """PREFILL: calibration's collection attention (a2ats_ref.collect.causal_attention), (B, n_q, Tq, d)."""
         from a2ats_ref.collect import causal_attention
 
         if np.ndim(q) != 4 or np.ndim(k) != 4 or np.ndim(v) != 4:
