@@ -733,7 +733,7 @@ def select_tokens_allowed(scores: Any, *, n_kv_heads: int, query_pos: int, w: in
 
 def select_tokens_head_counts(mask: Any, scores: Any, *, n_kv_heads: int, query_pos: int, w: int, sinks: int,
                               topk: float | int, margin: float) -> tuple[np.ndarray, np.ndarray, int]:
-    """RET-SELECT per-head count. (held (..., n_q), taken (..., n_kv), k) for a selection mask (..., n_kv, T).
+    """RET-SELECT. Per-head count: (held (..., n_q), taken (..., n_kv), k) for a selection mask (..., n_kv, T).
 
     k is the number of candidates each query head's top-k takes (RET-TOPK); held[h] counts the mask's
     candidates (on head h's KV row) that lie in head h's allowed top-k set (topk_allowed's ``may``: ties and
