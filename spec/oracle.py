@@ -738,8 +738,8 @@ def select_tokens_head_counts(mask: Any, scores: Any, *, n_kv_heads: int, query_
     k is the number of candidates each query head's top-k takes (RET-TOPK); held[h] counts the mask's
     candidates (on head h's KV row) that lie in head h's allowed top-k set (topk_allowed's ``may``: ties and
     near ties resolved by the allowed set); taken[g] counts the mask's candidates on KV row g. A selection
-    made of each head's own k tokens has held >= k for every head and taken <= G k for every KV head; with
-    G = 1 the two say taken == k exactly. A top-k that takes one tied token too few has held = k - 1 on its head.
+    made of each head's own k tokens has held >= k for every head (select_tokens also taken <= G k; a decode
+    step may take a tie at the k-th score whole). A top-k that takes one tied token too few has held = k - 1.
     """
     s, n_kv, G = _check_scores(scores, n_kv_heads)
     T = s.shape[-1]
