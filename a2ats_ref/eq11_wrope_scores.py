@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import checks
-from .precision import mm
-from .rope import rope_apply
+from a2ats_ref import checks
+from a2ats_ref.precision import mm
+from a2ats_ref.rope import rope_apply
 
 
 def _positions(p, n: int, name: str) -> mx.array:

@@ -5,7 +5,7 @@ the float64 oracle, so that a failing example can be replayed through it (diagno
 where the window ends, how many tokens a head keeps, which query scores tokens, ...); every adapter
 callable and a NumPy cache are built from those hooks, so replacing one hook changes every function
 that depends on it, as the bug would in a port. The faithful ``Model()`` equals the oracle (checked in
-tests/test_diagnosis.py). A ``Deviation`` is a stable id, the sentence a port author reads, the
+tests/suite/test_diagnosis.py). A ``Deviation`` is a stable id, the sentence a port author reads, the
 callables it can change, and one or more ``Model`` subclasses (its variants: e.g. float16 or bfloat16).
 
 The ids are stable; tests and unfaithful test ports refer to them (table appended from DEVIATIONS):
@@ -980,7 +980,7 @@ class DeviantAdapter:
         dev = deviation or self.deviation
         model = Model() if dev is None else by_id(dev).models()[self.variant if variant is None else variant]
         self.name = f"deviant model ({dev or 'faithful'})"
-        from .adapter import FUNCTION_NAMES
+        from a2ats_conformance.harness.adapter import FUNCTION_NAMES
 
         for fn in FUNCTION_NAMES + ("make_cache",):
             setattr(self, fn, getattr(model, fn))

@@ -1,5 +1,5 @@
 """Mutant ports: the reference adapter with one realistic bug each.  The suite must reject every
-one of them, on the clause the bug violates (tests/test_mutants.py proves it).
+one of them, on the clause the bug violates (tests/suite/test_mutants.py proves it).
 
 Run one by hand:  a2ats-conformance --iut a2ats_conformance.mutants:FarKeysRotated --clauses EQ-12
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from a2ats_spec import oracle as _o
 
-from .adapters.reference import ReferenceAdapter, ReferenceCache
+from a2ats_conformance.adapters.reference import ReferenceAdapter, ReferenceCache
 
 __all__ = ["MUTANTS", "COVERAGE_MUTANTS", "GAP_MUTANTS", "Mutant"]
 
@@ -214,7 +214,7 @@ MUTANTS = {cls.__name__: cls for cls in (
 
 # --------------------------------------------------------------------------- coverage mutants (issue 9, item 7)
 # Bugs the suite of commit 1cf8c61 never reached: each names the coverage item whose property kills it
-# (tests/test_coverage_mutants.py proves the kill, and its docstring says how the old suite was shown to miss it).
+# (tests/suite/test_coverage_mutants.py proves the kill, and its docstring says how the old suite was shown to miss it).
 
 class Float16Lut(Mutant):
     expected_clause = "RET-DECODE"
@@ -310,20 +310,21 @@ class _HostPathHeadZeroCache(_SameClassOnLoad, ReferenceCache):
 
     def decode(self, q_post):
         import mlx.core as mx
-        from a2ats_ref import fast_decode as fd
+        from a2ats_ref.runtime.decode import portable as fd
+        from a2ats_ref.runtime.decode import dispatch
 
-        original, auto = fd._select_host, fd.auto_method
+        original, auto = fd._select_host, dispatch.auto_method
 
         def first_head_only(lut, codes, **kw):
             return original(mx.broadcast_to(lut[:, :1, :], lut.shape), codes, **kw)
 
         fd._select_host = first_head_only
         # the host path on every device (off the CPU, auto takes the sort-free step at any length)
-        fd.auto_method = lambda n, **shape: "host" if n >= fd.HOST_SELECT_MIN else auto(n, **shape)
+        dispatch.auto_method = lambda n, **shape: "host" if n >= fd.HOST_SELECT_MIN else auto(n, **shape)
         try:
             return super().decode(q_post)
         finally:
-            fd._select_host, fd.auto_method = original, auto
+            fd._select_host, dispatch.auto_method = original, auto
 
 
 class HostPathHeadZero(Mutant):
@@ -675,7 +676,7 @@ class _SaveDropsParamCache(ReferenceCache):
     def load(self, path):
         import dataclasses
 
-        from a2ats_ref.cache import A2ATSConfig
+        from a2ats_ref.runtime.cache import A2ATSConfig
 
         r = super().load(path)
         r._c.config = dataclasses.replace(r._c.config, **{self.param: getattr(A2ATSConfig(), self.param)})
@@ -918,7 +919,7 @@ class QueryMomentBBfloat16(Mutant):
     expected_cause = "b-low-precision"
 
     def query_moment(self, queries, *, b, inv_freqs, traditional, **kw):
-        from .deviations import _round
+        from a2ats_conformance.deviations import _round
 
         # the reference rotates by b; rotating the queries by bf16(b) - b first makes that bf16(b) in all
         shift = float(_round(b, "bfloat16")) - b
@@ -1379,7 +1380,7 @@ def _fast_rope_codes(bug):
     """assign_codes whose fast_rope branch (the model's own RoPE) is ``bug(k_post, positions, d, traditional,
     fast_rope) -> k_pre``; the inv_freqs branch is left as it is."""
     import mlx.core as mx
-    from a2ats_ref import cache as _cache
+    from a2ats_ref.runtime import cache as _cache
     from a2ats_ref.eq16_z_transform import assign_z_unchecked
 
     original = _cache.assign_codes
@@ -1402,7 +1403,7 @@ def _undo_tables(k, positions, d, traditional, fast_rope):
 
 class _CodesPostRopeCache(_PatchedCache):
     def patches(self):
-        from a2ats_ref import cache as _cache
+        from a2ats_ref.runtime import cache as _cache
         return [(_cache, "assign_codes", _fast_rope_codes(lambda k, p, d, t, fr: k))]
 
 
@@ -1418,7 +1419,7 @@ class FastRopeCodesPostRope(Mutant):
 
 class _BatchFirstPositionCache(_PatchedCache):
     def patches(self):
-        from a2ats_ref import cache as _cache
+        from a2ats_ref.runtime import cache as _cache
 
         def first_only(k, p, d, t, fr):
             start = p.start if isinstance(p, range) else int(p.reshape(-1)[0].item())
@@ -1438,7 +1439,7 @@ class FastRopeBatchFirstPosition(Mutant):
 
 class _TraditionalIgnoredCache(_PatchedCache):
     def patches(self):
-        from a2ats_ref import cache as _cache
+        from a2ats_ref.runtime import cache as _cache
         return [(_cache, "assign_codes", _fast_rope_codes(lambda k, p, d, t, fr: _undo_tables(k, p, d, False, fr)))]
 
 
@@ -1455,7 +1456,7 @@ class FastRopeTraditionalIgnored(Mutant):
 class _Bf16PositionsFastRopeCache(_PatchedCache):
     def patches(self):
         import mlx.core as mx
-        from a2ats_ref import cache as _cache
+        from a2ats_ref.runtime import cache as _cache
 
         def rounded(k, p, d, t, fr):
             pos = mx.arange(p.start, p.stop) if isinstance(p, range) else p
@@ -1478,7 +1479,7 @@ class _QueryAngleNextCache(_PatchedCache):
 
     def patches(self):
         import mlx.core as mx
-        from a2ats_ref import cache as _cache
+        from a2ats_ref.runtime import cache as _cache
         from a2ats_ref.rope import applied_cos_sin
 
         def query_angle(c):
@@ -1505,9 +1506,10 @@ class _OneTiedTooFewCache(_PatchedCache):
 
     def patches(self):
         import mlx.core as mx
-        from a2ats_ref import fast_decode as fd
+        from a2ats_ref.runtime.decode import dispatch
+        from a2ats_ref.runtime.decode import portable as fd
 
-        original, auto = fd._select_host, fd.auto_method
+        original, auto = fd._select_host, dispatch.auto_method
 
         def one_too_few(lut, codes, *, BH, G, K, kk, c0, c1, bucket):
             idx, keep = original(lut, codes, BH=BH, G=G, K=K, kk=kk, c0=c0, c1=c1, bucket=bucket)
@@ -1524,7 +1526,7 @@ class _OneTiedTooFewCache(_PatchedCache):
 
         # the host path on every device (off the CPU, auto takes the sort-free step at any length)
         pick = lambda n, **shape: "host" if n >= fd.HOST_SELECT_MIN else auto(n, **shape)  # noqa: E731
-        return [(fd, "_select_host", one_too_few), (fd, "auto_method", pick)]
+        return [(fd, "_select_host", one_too_few), (dispatch, "auto_method", pick)]
 
 
 @_gap
@@ -1571,7 +1573,7 @@ class CollectionStridedGroups(Mutant):
 
     def collection_attention(self, q, k, v, *, scale=None):
         import mlx.core as mx
-        from a2ats_ref.collect import causal_attention
+        from a2ats_ref.calibration.collect import causal_attention
 
         q = np.asarray(q, np.float32)
         n_q, n_kv = q.shape[-3], np.shape(k)[-3]

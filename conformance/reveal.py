@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from a2ats_spec import oracle
 
-from .pytest_helpers import ConformanceFailure
+from a2ats_conformance.harness.pytest_helpers import ConformanceFailure
 
 __all__ = ["in_region", "region_text", "search"]
 

@@ -3,7 +3,7 @@
 NumPy in, NumPy out: float arrays become mx arrays of the same dtype (float32 arrays become
 bfloat16 when the suite sets ``input_dtype = "bfloat16"``), integer and bool arrays keep their
 dtype; results come back as NumPy (bfloat16 results as float32).  The cache factory wraps
-``a2ats_ref.cache.A2ATSCache`` in the NumPy cache protocol of README-ADAPTER.md (a batch of one, or
+``a2ats_ref.runtime.cache.A2ATSCache`` in the NumPy cache protocol of README-ADAPTER.md (a batch of one, or
 ``config["batch"]`` rows with a leading batch axis).
 
 The cache is built the way users get it: ``make_a2ats_cache`` on a one-layer model whose attention holds the
@@ -11,7 +11,7 @@ model's own rope module (nn.RoPE, or Llama3RoPE with the config's frequencies), 
 are de-rotated with the angles mx.fast.rope applied (fast_rope, the angle tables). A third form, A2ATSCache
 built by hand from inv_freqs alone (no rope module), is supported too; each config draws one of the three
 forms from its codebook's bytes (``rope_form``: the same config always builds the same form, so a replay
-rebuilds the failing cache). Prefill and decode go through the attention hook (a2ats_ref.hook), as a model's
+rebuilds the failing cache). Prefill and decode go through the attention hook (a2ats_ref.runtime.hook), as a model's
 attention calls them: long causal prefills take the host kernel there.
 """
 
@@ -26,7 +26,7 @@ import a2ats_ref  # noqa: F401  (first: it loads the fast BLAS, which must happe
 import mlx.core as mx
 import numpy as np
 
-from ..adapter import FUNCTION_NAMES
+from a2ats_conformance.harness.adapter import FUNCTION_NAMES
 
 # Where each reference function lives (a2ats_ref/__init__ may re-export them; the lead owns it).
 _MODULES = ("rope", "eq10_query_moment", "eq11_wrope_scores", "eq12_far_keys", "eq13_score_error", "eq14_assign",
@@ -115,8 +115,8 @@ class ReferenceAdapter:
         return ReferenceCache(config)
 
     def collection_attention(self, q, k, v, *, scale=None):
-        """PREFILL: calibration's collection attention (a2ats_ref.collect.causal_attention), (B, n_q, Tq, d)."""
-        from a2ats_ref.collect import causal_attention
+        """PREFILL: calibration's collection attention (a2ats_ref.calibration.collect.causal_attention), (B, n_q, Tq, d)."""
+        from a2ats_ref.calibration.collect import causal_attention
 
         if np.ndim(q) != 4 or np.ndim(k) != 4 or np.ndim(v) != 4:
             raise ValueError("collection_attention: expected q (B, n_q, Tq, d), k (B, n_kv, Tk, d), v (B, n_kv, Tk, dv), "
@@ -137,7 +137,8 @@ class SortFreeReference(ReferenceAdapter):
 
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
                     scale=None, return_mask=False):
-        from a2ats_ref.fast_decode import decode_step_fast, prepare_codebook
+        from a2ats_ref.runtime.decode.portable import prepare_codebook
+        from a2ats_ref.runtime.decode.dispatch import decode_step_fast
 
         if np.ndim(q_post) != 2 or np.ndim(k_post) != 3:
             raise ValueError(f"{self.name}: decode_step takes one sequence, q_post (n_q, d) and k_post (n_kv, T, d)")
@@ -206,7 +207,7 @@ class _OneLayerModel:
 def _build_cache(config: dict):
     import warnings
 
-    from a2ats_ref.cache import A2ATSCache, A2ATSConfig, LayerCodebook, make_a2ats_cache
+    from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig, LayerCodebook, make_a2ats_cache
 
     Cz, L = (mx.array(np.asarray(config[k], np.float32)) for k in ("Cz", "L"))
     cfg = A2ATSConfig(w=config["w"], b=config["b"], sinks=config["sinks"], topk=config["topk"])
@@ -220,10 +221,10 @@ def _build_cache(config: dict):
 
 
 def _attention_hook():
-    """mlx-lm's attention function as a model module binds it once a2ats_ref.hook.enable_a2ats has run."""
+    """mlx-lm's attention function as a model module binds it once a2ats_ref.runtime.hook.enable_a2ats has run."""
     from mlx_lm.models.base import scaled_dot_product_attention
 
-    from a2ats_ref.hook import _make_dispatcher
+    from a2ats_ref.runtime.hook import _make_dispatcher
 
     global _HOOKED
     if _HOOKED is None:
@@ -299,13 +300,13 @@ class ReferenceCache:
         return self._out(k), self._out(v)
 
     def save(self, path: str) -> None:
-        from a2ats_ref.cache_io import save_a2ats_cache
+        from a2ats_ref.files.cache import save_a2ats_cache
 
         save_a2ats_cache(_st(path), [self._c])
 
     def load(self, path: str) -> "ReferenceCache":
-        from a2ats_ref.cache import A2ATSCodebook
-        from a2ats_ref.cache_io import load_a2ats_cache
+        from a2ats_ref.runtime.cache import A2ATSCodebook
+        from a2ats_ref.files.cache import load_a2ats_cache
 
         lc = self._c.codebook
         cb = A2ATSCodebook(lc.Cz[None], lc.L[None])
