@@ -1,4 +1,4 @@
-"""Likely cause of a failing clause (issue 9, item 2): replay its failing examples through every known
+"""Likely cause of a failing clause: replay its failing examples through every known
 deviation (deviations.py) and report each one that explains them.
 
 A failing example is the IUT's calls and outputs as Context recorded them. For one deviation variant,
@@ -207,8 +207,8 @@ def _size(example: dict) -> int:
 
 
 def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS, budget_s: float = BUDGET_S) -> list[dict]:
-    """[{id, cause, matched, of}] for every deviation matching at least half as many failing examples as the
-    best one does, best first.
+    """[{id, cause, matched, of, likely}] for every deviation matching a failing example, best first; ``likely``
+    when it matches at least half of them (the others are "also consistent").
 
     ``examples``: Context failure snapshots ({clause, calls, outputs, notes}); ``of`` counts those tried
     (with at least one recorded IUT output; the MAX_EXAMPLES smallest). Deviations not reached within
@@ -227,9 +227,10 @@ def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS, budget_s: 
             found.append({"id": dev.id, "cause": dev.describe(hits, [v for _, v in which if v is not None]),
                           "matched": len(hits), "of": len(usable)})
     found.sort(key=lambda r: -r["matched"])   # stable: ties keep the library's order
-    # a cause that explains under half as many examples as the best one is a coincidence of small examples
-    # (a decode over a few tokens selects them all whatever the rule), not a second diagnosis
-    found = [r for r in found if 2 * r["matched"] >= found[0]["matched"]]
+    # a cause that explains under half of the failing examples is not likely: it is listed as "also consistent"
+    # (a decode over a few tokens selects them all whatever the rule, so small examples agree with many causes)
+    for r in found:
+        r["likely"] = 2 * r["matched"] >= r["of"]
     if skipped:
         found.append({"id": None, "cause": f"diagnosis stopped after {budget_s:g} s; not tried: {', '.join(skipped)}",
                       "matched": 0, "of": len(usable)})
@@ -242,8 +243,16 @@ def help_lines(causes: list[dict], n_examples: int, limit: int = 3) -> list[str]
     if not named:
         return [f"help: no known cause matched ({min(n_examples, MAX_EXAMPLES)} failing example(s) replayed "
                 f"through {len(DEVIATIONS)} known deviations)"] + notes
-    return [f"help: likely cause: {c['cause']}, matches {c['matched']}/{c['of']} failing examples [{c['id']}]"
-            for c in named[:limit]] + notes
+    likely = [c for c in named if c.get("likely", True)]
+    also = [c for c in named if not c.get("likely", True)]
+    lines = [f"help: likely cause: {c['cause']}, matches {c['matched']}/{c['of']} failing examples [{c['id']}]"
+             for c in likely[:limit]]
+    if not likely:
+        lines.append(f"help: no likely cause: none of the known deviations explains half of the "
+                     f"{named[0]['of']} failing examples replayed")
+    lines += [f"note: also consistent: {c['cause']}, matches {c['matched']}/{c['of']} failing examples [{c['id']}]"
+              for c in also[:limit]]
+    return lines + notes
 
 
 def _jsonable_notes(notes: dict) -> dict:

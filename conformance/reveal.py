@@ -1,4 +1,4 @@
-"""Informative counterexamples (issue 9, item 3): after a failure, look for failing examples in the
+"""Informative counterexamples: after a failure, look for failing examples in the
 region where causes show, beside Hypothesis's minimal example.
 
 Shrinking drives an example to the degenerate corner where a bug may be invisible (b = 0 hides a

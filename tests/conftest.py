@@ -2,6 +2,15 @@
 `on_cpu` runs a test on MLX's CPU device."""
 
 import json
+import sys
+from pathlib import Path
+
+# Shared helper modules (test_cache_support, test_calib_tiny, test_codebook_file, gguf_writer) are imported by
+# name from every folder, and from the children that tests start with this folder list as PYTHONPATH.
+HELPER_DIRS = [str(Path(__file__).parent / sub) for sub in ("runtime", "calibration")]
+for _d in HELPER_DIRS:
+    if _d not in sys.path:
+        sys.path.insert(0, _d)
 
 # Full float32 matmuls on GPUs and a JIT cache of this process's own, before MLX runs (suite_env says why).
 from a2ats_conformance.harness.suite_env import exchange, pin_suite_process  # noqa: E402

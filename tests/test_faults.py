@@ -1,6 +1,6 @@
-"""Fault injection (issue 10): bad inputs, interrupted writes, stale or concurrent runs.
+"""Fault injection: bad inputs, interrupted writes, stale or concurrent runs.
 
-Each test pins one failure mode that used to give a silent wrong result, a lost file or a raw traceback.
+Each test pins one failure mode that would give a silent wrong result, a lost file or a raw traceback.
 Sizes are tiny; kills run in subprocesses.
 """
 
@@ -225,6 +225,7 @@ from pathlib import Path  # noqa: E402
 from a2ats_ref.files.cache import load_a2ats_cache, save_a2ats_cache  # noqa: E402
 
 TESTS = str(Path(__file__).parent)
+CHILD_PATH = os.pathsep.join([TESTS, *(str(Path(TESTS) / d) for d in ("runtime", "calibration"))])
 
 
 def _kill_mid_write(script: str, target: Path, timeout: float = 60.0) -> None:
@@ -232,7 +233,7 @@ def _kill_mid_write(script: str, target: Path, timeout: float = 60.0) -> None:
     before = target.stat()
     others = set(target.parent.iterdir())
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=TESTS,
-                             env={**os.environ, "PYTHONPATH": TESTS})
+                             env={**os.environ, "PYTHONPATH": CHILD_PATH})
     try:
         assert child.stdout.readline().strip() == "go", "child did not start"
         t_end = time.monotonic() + timeout
@@ -281,7 +282,9 @@ CODEBOOK_CHILD = """
 import a2ats_ref, numpy as np, mlx.core as mx
 from a2ats_ref.runtime.codebook import Codebook
 rng = np.random.default_rng(0)
-cb = Codebook([rng.normal(size=(2, 65536, 64)).astype(np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)])
+from test_codebook_file import identity
+cb = Codebook([rng.normal(size=(2, 65536, 64)).astype(np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)],
+              {"b": 2048, "model": identity(1, 2, 64)})
 print("go", flush=True)
 cb.save(PATH)
 """
@@ -289,7 +292,10 @@ cb.save(PATH)
 
 def test_kill_during_codebook_save_keeps_the_old_file(tmp_path):
     path = tmp_path / "cb.safetensors"
-    Codebook([np.ones((2, 8, 64), np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)]).save(path)
+    from test_codebook_file import identity
+
+    Codebook([np.ones((2, 8, 64), np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)],
+             {"b": 2048, "model": identity(1, 2, 64)}).save(path)
     _kill_mid_write(CODEBOOK_CHILD.replace("PATH", repr(str(path))), path)
     assert Codebook.load(path).K in (8, 65536)
 
@@ -325,7 +331,10 @@ def test_bit_flip_in_a_cache_array_is_refused(tmp_path):
 def test_bit_flip_in_a_codebook_array_is_refused(tmp_path):
     path = tmp_path / "cb.safetensors"
     cb = quiet_codebook(K=8)
-    Codebook([l.Cz for l in cb.layers], [l.L for l in cb.layers]).save(path)
+    from test_codebook_file import identity
+
+    Codebook([l.Cz for l in cb.layers], [l.L for l in cb.layers],
+             {"b": 2048, "model": identity(cb.n_layers, cb.layers[0].n_kv_heads, cb.layers[0].head_dim)}).save(path)
     _flip_byte_in(path, "layers.1.cz")
     with pytest.raises(CodebookError, match="'layers.1.cz' fails its SHA-256 checksum"):
         Codebook.load(path)
@@ -402,7 +411,7 @@ def test_two_calibrations_to_one_out(tmp_path, capsys):
     partial = out.with_name(out.name + ".partial")
     script = LOCK_CHILD.replace("TEXTFILE", repr(str(text))).replace("PARTIAL", repr(str(partial)))
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=TESTS,
-                             env={**os.environ, "PYTHONPATH": TESTS})
+                             env={**os.environ, "PYTHONPATH": CHILD_PATH})
     try:
         assert child.stdout.readline().strip() == "go"
         with pytest.raises(ValueError, match="is locked"):

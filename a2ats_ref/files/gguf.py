@@ -1,6 +1,9 @@
 """Load models for calibration and inference: GGUF Llama files, or local mlx-lm directories.
 
-GGUF files are read with ``mx.load(path, return_metadata=True)``. Quantized tensors (``weight``
+A GGUF file is untrusted input: its header, tensor table and hyperparameters are parsed and checked in pure
+Python (``read_gguf_header``, bounded by the file's length) before MLX's reader sees it, and its weights are
+checked finite before a model is built; every refusal is a ``GGUFError`` (a ValueError) naming the file and the
+field. The tensors are then read with ``mx.load(path)``. Quantized tensors (``weight``
 as packed uint32 plus ``scales``/``biases``) stay quantized: they become ``nn.QuantizedLinear`` /
 ``nn.QuantizedEmbedding`` with the bit width read per tensor from the shapes (group size 32).
 
@@ -19,11 +22,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 GGUF_GROUP_SIZE = 32
 
@@ -78,49 +84,324 @@ class GGUFInfo:
     fingerprint: str = ""  # weights_fingerprint of the model loaded quantized (dequantize=False)
 
 
-def _config_from_metadata(md: dict, weights: dict, path: Path) -> dict:
+# ---- the GGUF header, read in pure Python before any reader sees the file
+
+class GGUFError(ValueError):
+    """A GGUF file that is malformed, crafted, or describes a model this loader cannot build."""
+
+
+GGUF_VERSIONS = (2, 3)   # v1 used 32-bit counts and is not read
+GGML_MAX_DIMS = 4
+MAX_TENSOR_NAME = 64     # GGML_MAX_NAME, terminator included in ggml; names longer cannot come from llama.cpp
+MAX_KEY_LEN = 65535      # the GGUF spec's bound on a key
+MAX_KV = 1 << 16
+MAX_TENSORS = 1 << 16
+MAX_ARRAY_DEPTH = 2
+# ggml type id -> (name, elements per block, bytes per block). Only the types MLX's reader converts are loaded.
+GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
+              30: ("BF16", 1, 2)}
+_SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
+            7: ("<B", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
+_NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
+               12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass
+class GGUFTensorInfo:
+    name: str
+    shape: tuple      # NumPy/MLX order (slowest dimension first); GGUF lists the fastest first
+    ggml_type: str
+    offset: int       # from the start of the file
+    nbytes: int
+
+
+@dataclass
+class GGUFHeader:
+    path: Path
+    version: int
+    metadata: dict    # key -> int, float, bool, str or list
+    tensors: dict     # name -> GGUFTensorInfo
+    file_size: int
+
+
+class _Reader:
+    """Bounds-checked little-endian reads over the file's bytes; every overrun names the field being read."""
+
+    def __init__(self, buf, path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def fail(self, field, what):
+        raise GGUFError(f"{self.path}: GGUF {field}: {what}; the file is truncated, corrupt or crafted")
+
+    def take(self, n, field):
+        if n < 0 or n > len(self.buf) - self.pos:
+            self.fail(field, f"needs {n} bytes at offset {self.pos}, the file has {len(self.buf) - self.pos} left")
+        b = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return b
+
+    def u32(self, field):
+        return struct.unpack("<I", self.take(4, field))[0]
+
+    def u64(self, field):
+        return struct.unpack("<Q", self.take(8, field))[0]
+
+    def string(self, field, limit=None):
+        n = self.u64(field + " (length)")
+        if limit is not None and n > limit:
+            self.fail(field, f"length {n} exceeds {limit} bytes")
+        raw = self.take(n, field)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(field, "is not UTF-8")
+
+    def value(self, vtype, field, depth=0):
+        if vtype in _SCALARS:
+            fmt, n = _SCALARS[vtype]
+            v = struct.unpack(fmt, self.take(n, field))[0]
+            return bool(v) if vtype == 7 else v
+        if vtype == _STRING:
+            return self.string(field)
+        if vtype == _ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                self.fail(field, f"arrays nested deeper than {MAX_ARRAY_DEPTH}")
+            etype = self.u32(field + " (array type)")
+            count = self.u64(field + " (array length)")
+            least = _SCALARS[etype][1] if etype in _SCALARS else 8 if etype in (_STRING, _ARRAY) else None
+            if least is None:
+                self.fail(field, f"array element type {etype} is not a GGUF type (0..12)")
+            if count > (len(self.buf) - self.pos) // least:
+                self.fail(field, f"array length {count} cannot fit in the {len(self.buf) - self.pos} bytes left")
+            if etype in _NP_SCALARS:
+                a = np.frombuffer(self.take(count * least, field), dtype=_NP_SCALARS[etype])
+                return [bool(x) for x in a] if etype == 7 else a.tolist()
+            return [self.value(etype, f"{field}[{i}]", depth + 1) for i in range(count)]
+        self.fail(field, f"value type {vtype} is not a GGUF type (0..12)")
+
+
+def read_gguf_header(path) -> GGUFHeader:
+    """Parse and check a GGUF file's header and tensor table without any GGUF library.
+
+    Checked against the file's length before anything is allocated: the magic and a supported version; key-value and
+    tensor counts, key, string and array lengths; each tensor's name, dimension count (at most 4), dimensions, type
+    and data range (aligned, inside the file, not overlapping another tensor). Raises GGUFError naming the field.
+    """
+    import mmap
+
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size == 0:
+            raise GGUFError(f"{path}: not a readable GGUF file (it is empty)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:   # slices of an mmap are copies
+            return _parse(_Reader(mm, path), path, size)
+
+
+def _parse(r, path, size) -> GGUFHeader:
+    magic = r.take(4, "magic") if size >= 4 else b""
+    if magic != b"GGUF":
+        raise GGUFError(f"{path}: not a readable GGUF file (magic {magic!r}, expected b'GGUF')")
+    version = r.u32("version")
+    if version not in GGUF_VERSIONS:
+        r.fail("version", f"{version} is not supported (this loader reads versions {GGUF_VERSIONS})")
+    n_tensors, n_kv = r.u64("tensor_count"), r.u64("metadata_kv_count")
+    if n_tensors > MAX_TENSORS or n_tensors * 24 > size:
+        r.fail("tensor_count", f"{n_tensors} tensors cannot be described in a {size}-byte file (at most {MAX_TENSORS})")
+    if n_kv > MAX_KV or n_kv * 13 > size:
+        r.fail("metadata_kv_count", f"{n_kv} key-value pairs cannot fit in a {size}-byte file (at most {MAX_KV})")
+    md = {}
+    for i in range(n_kv):
+        key = r.string(f"key #{i}", MAX_KEY_LEN)
+        if key in md:
+            r.fail(f"key {key!r}", "appears twice")
+        md[key] = r.value(r.u32(f"{key!r} (value type)"), f"{key!r}")
+    align = md.get("general.alignment", 32)
+    if not (_is_int(align) and 0 < align <= 1 << 20 and align & (align - 1) == 0):
+        r.fail("'general.alignment'", f"{align!r} is not a power of two up to 2^20")
+    tensors = {}
+    for i in range(n_tensors):
+        name = r.string(f"tensor #{i} name", MAX_TENSOR_NAME)
+        field = f"tensor {name!r}"
+        if name in tensors:
+            r.fail(field, "appears twice")
+        n_dims = r.u32(field + " n_dims")
+        if not 1 <= n_dims <= GGML_MAX_DIMS:
+            r.fail(field, f"n_dims is {n_dims}, GGUF allows 1..{GGML_MAX_DIMS}")
+        dims = [r.u64(f"{field} dimension {j}") for j in range(n_dims)]
+        type_id = r.u32(field + " type")
+        if type_id not in GGML_TYPES:
+            r.fail(field, f"ggml type {type_id} is not supported (supported: "
+                          f"{', '.join(n for n, _, _ in GGML_TYPES.values())})")
+        tname, block, block_bytes = GGML_TYPES[type_id]
+        offset = r.u64(field + " data offset")
+        n = 1
+        for d in dims:
+            n *= d
+        if min(dims) < 1 or dims[0] % block:
+            r.fail(field, f"dimensions {dims} are not positive multiples of the {tname} block of {block}")
+        tensors[name] = (tuple(reversed(dims)), tname, offset, n // block * block_bytes)
+    data_start = -(-r.pos // align) * align
+    infos, end = {}, data_start
+    for name, (shape, tname, offset, nbytes) in sorted(tensors.items(), key=lambda kv: kv[1][2]):
+        start, field = data_start + offset, f"tensor {name!r}"
+        if offset % align:
+            r.fail(field, f"data offset {offset} is not a multiple of the alignment {align}")
+        if start + nbytes > size:
+            r.fail(field, f"data at offset {offset} ({nbytes} bytes) runs past the end of the {size}-byte file")
+        if start < end:
+            r.fail(field, f"data at offset {offset} overlaps the tensor before it")
+        end = start + nbytes
+        infos[name] = GGUFTensorInfo(name, shape, tname, start, nbytes)
+    return GGUFHeader(path=path, version=version, metadata=md, tensors={k: infos[k] for k in tensors},
+                      file_size=size)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_norm", "ffn_norm")
+MAX_LAYERS = 4096
+
+
+def _config_from_header(header: GGUFHeader) -> dict:
+    """mlx-lm ModelArgs for the Llama the header describes, every hyperparameter checked against the tensors present.
+
+    Refused by name: a missing or non-numeric field, a count that is not positive, head_count_kv not dividing
+    head_count, a non-finite or non-positive RoPE base or norm epsilon, a block_count other than the number of
+    layers whose tensors the file holds, a tensor whose shape disagrees with the hyperparameters, and a token list
+    whose length is not the embedding's row count.
+    """
+    md, path, tensors = header.metadata, header.path, header.tensors
     arch = md.get("general.architecture")
     if arch not in _SUPPORTED_ARCHS:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {_SUPPORTED_ARCHS})")
+        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {_SUPPORTED_ARCHS})")
 
-    def need(key):
+    def bad(key, v, want):
+        raise GGUFError(f"{path}: GGUF metadata {key!r} is {v!r}; expected {want}")
+
+    def count(key, default=None, lo=1, hi=1 << 24):
         full = f"{arch}.{key}"
-        if full not in md:
-            raise ValueError(f"{path}: GGUF metadata lacks {full!r}")
-        return _meta_value(md[full])
+        if full not in md and default is None:
+            raise GGUFError(f"{path}: GGUF metadata lacks {full!r}")
+        v = md.get(full, default)
+        if not (_is_int(v) and lo <= v <= hi):
+            bad(full, v, f"an integer in [{lo}, {hi}]")
+        return v
 
-    hidden = int(need("embedding_length"))
-    n_heads = int(need("attention.head_count"))
-    n_kv = int(_meta_value(md.get(f"{arch}.attention.head_count_kv", n_heads)))
-    head_dim = int(_meta_value(md.get(f"{arch}.attention.key_length", hidden // n_heads)))
-    rope_dim = int(_meta_value(md.get(f"{arch}.rope.dimension_count", head_dim)))
+    def positive_float(key, default=None):
+        full = f"{arch}.{key}"
+        if full not in md and default is None:
+            raise GGUFError(f"{path}: GGUF metadata lacks {full!r}")
+        v = md.get(full, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+            bad(full, v, "a finite number > 0")
+        return float(v)
+
+    hidden = count("embedding_length")
+    n_heads = count("attention.head_count")
+    n_kv = count("attention.head_count_kv", n_heads)
+    if n_heads % n_kv:
+        raise GGUFError(f"{path}: GGUF metadata {arch}.attention.head_count_kv={n_kv} does not divide "
+                        f"head_count={n_heads} (each KV head serves a whole group of query heads)")
+    head_dim = count("attention.key_length", hidden // n_heads if hidden >= n_heads else None)
+    if head_dim % 2:
+        bad(f"{arch}.attention.key_length", head_dim, "an even head dimension (RoPE rotates pairs)")
+    rope_dim = count("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
-        raise ValueError(f"{path}: partial RoPE (rope.dimension_count={rope_dim} != head_dim={head_dim}) is not supported")
-    scaling_type = _meta_value(md.get(f"{arch}.rope.scaling.type", "none"))
+        raise GGUFError(f"{path}: partial RoPE (rope.dimension_count={rope_dim} != head_dim={head_dim}) is not supported")
+    n_layers = count("block_count", hi=MAX_LAYERS)
+    ff = count("feed_forward_length")
+    eps = positive_float("attention.layer_norm_rms_epsilon")
+    theta = positive_float("rope.freq_base", 10000.0)
+    ctx = count("context_length", 4096)
+    scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
     rope_scaling = None
-    if scaling_type not in (None, "none"):
-        if scaling_type == "linear":
-            rope_scaling = {"type": "linear", "factor": float(_meta_value(md[f"{arch}.rope.scaling.factor"]))}
-        else:
-            raise ValueError(f"{path}: RoPE scaling type {scaling_type!r} is not supported (only none, linear)")
-    vocab = md.get(f"{arch}.vocab_size")
-    vocab = int(_meta_value(vocab)) if vocab is not None else int(weights["token_embd.weight"].shape[0])
+    if scaling_type == "linear":
+        rope_scaling = {"type": "linear", "factor": positive_float("rope.scaling.factor")}
+    elif scaling_type != "none":
+        raise GGUFError(f"{path}: RoPE scaling type {scaling_type!r} is not supported (only none, linear)")
+
+    layers = set()
+    for name in tensors:
+        parts = name.split(".")
+        if parts[0] == "blk":
+            if len(parts) != 4 or not parts[1].isdigit() or parts[2] not in _LAYER_TENSORS or parts[3] != "weight":
+                raise GGUFError(f"{path}: unexpected GGUF tensor {name!r} (a Llama block holds "
+                                f"{', '.join(_LAYER_TENSORS)} weights)")
+            layers.add(int(parts[1]))
+        elif name not in ("token_embd.weight", "output_norm.weight", "output.weight"):
+            raise GGUFError(f"{path}: unexpected GGUF tensor {name!r}")
+    if layers != set(range(n_layers)):
+        raise GGUFError(f"{path}: GGUF metadata {arch}.block_count is {n_layers}, but the file holds tensors of "
+                        f"{len(layers)} layers (indices {sorted(layers)[:4]}{'...' if len(layers) > 4 else ''})")
+    if "token_embd.weight" not in tensors:
+        raise GGUFError(f"{path}: GGUF tensor 'token_embd.weight' is missing")
+    vocab = tensors["token_embd.weight"].shape[0]
+    q, kvd = n_heads * head_dim, n_kv * head_dim
+    want = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
+    for l in range(n_layers):
+        for base, shape in (("attn_q", (q, hidden)), ("attn_k", (kvd, hidden)), ("attn_v", (kvd, hidden)),
+                            ("attn_output", (hidden, q)), ("ffn_gate", (ff, hidden)), ("ffn_up", (ff, hidden)),
+                            ("ffn_down", (hidden, ff)), ("attn_norm", (hidden,)), ("ffn_norm", (hidden,))):
+            want[f"blk.{l}.{base}.weight"] = shape
+    for name, shape in want.items():
+        if name == "output.weight" and name not in tensors:
+            continue
+        if name not in tensors:
+            raise GGUFError(f"{path}: GGUF tensor {name!r} is missing (block_count={n_layers})")
+        if tensors[name].shape != shape:
+            raise GGUFError(f"{path}: GGUF tensor {name!r} has shape {tensors[name].shape}; the hyperparameters "
+                            f"(embedding_length={hidden}, head_count={n_heads}, head_count_kv={n_kv}, "
+                            f"head_dim={head_dim}, feed_forward_length={ff}) give {shape}")
+    n_vocab = md.get(f"{arch}.vocab_size", vocab)
+    if n_vocab != vocab:
+        bad(f"{arch}.vocab_size", n_vocab, f"{vocab}, the rows of token_embd.weight")
+    _check_tokenizer_metadata(md, vocab, path)
     return dict(
-        model_type="llama",
-        hidden_size=hidden,
-        num_hidden_layers=int(need("block_count")),
-        intermediate_size=int(need("feed_forward_length")),
-        num_attention_heads=n_heads,
-        num_key_value_heads=n_kv,
-        head_dim=head_dim,
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        vocab_size=vocab,
-        rope_theta=float(_meta_value(md.get(f"{arch}.rope.freq_base", 10000.0))),
-        rope_traditional=True,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=int(_meta_value(md.get(f"{arch}.context_length", 4096))),
-        tie_word_embeddings="output.weight" not in weights,
+        model_type="llama", hidden_size=hidden, num_hidden_layers=n_layers, intermediate_size=ff,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim, rms_norm_eps=eps,
+        vocab_size=vocab, rope_theta=theta, rope_traditional=True, rope_scaling=rope_scaling,
+        max_position_embeddings=ctx, tie_word_embeddings="output.weight" not in tensors,
     )
+
+
+def _check_tokenizer_metadata(md: dict, vocab: int, path) -> None:
+    """The token list, merges, types and special ids that build_tokenizer reads: types, lengths and ranges."""
+    def bad(key, what):
+        raise GGUFError(f"{path}: GGUF metadata {key!r} {what}")
+
+    kind = md.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        bad("tokenizer.ggml.model", f"is {kind!r}; only byte-level BPE 'gpt2' is supported")
+    tokens = md.get("tokenizer.ggml.tokens")
+    if not (isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)):
+        bad("tokenizer.ggml.tokens", "is missing or not a list of strings")
+    if len(tokens) != vocab:
+        bad("tokenizer.ggml.tokens", f"holds {len(tokens)} tokens; token_embd.weight has {vocab} rows")
+    merges = md.get("tokenizer.ggml.merges", [])
+    if not (isinstance(merges, list) and all(isinstance(m, str) and " " in m for m in merges)):
+        bad("tokenizer.ggml.merges", "is not a list of 'left right' strings")
+    types = md.get("tokenizer.ggml.token_type")
+    if types is not None and not (isinstance(types, list) and len(types) == vocab and all(map(_is_int, types))):
+        bad("tokenizer.ggml.token_type", f"is not a list of {vocab} integers (one per token)")
+    for key in ("bos", "eos", "unknown", "padding"):
+        full = f"tokenizer.ggml.{key}_token_id"
+        v = md.get(full)
+        if v is not None and not (_is_int(v) and 0 <= v < vocab):
+            bad(full, f"is {v!r}; expected a token id in [0, {vocab})")
+    template = md.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        bad("tokenizer.chat_template", "is not a string")
+
+
+def check_finite_weights(weights: dict, path) -> None:
+    """Refuse NaN or infinite weights (float tensors, and the scales and biases of quantized ones) by name."""
+    for name, a in weights.items():
+        if mx.issubdtype(a.dtype, mx.floating) and not mx.all(mx.isfinite(a)).item():
+            raise GGUFError(f"{path}: GGUF tensor {name!r} holds NaN or infinite values (corrupt file)")
 
 
 def _rename(name: str) -> str:
@@ -198,11 +479,16 @@ def load_gguf(path, *, dequantize: bool = False) -> tuple[nn.Module, object, GGU
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    # MLX's GGUF reader trusts the header (a crafted count or length crashes the process), so the header and every
+    # hyperparameter are checked here first, and the weights' finiteness before any model is built.
+    header = read_gguf_header(path)
+    config = _config_from_header(header)
+    md = header.metadata
     try:
-        weights, md = mx.load(str(path), return_metadata=True)
+        weights = mx.load(str(path), format="gguf")
     except Exception as exc:  # mx raises RuntimeError/ValueError variants
-        raise ValueError(f"{path}: not a readable GGUF file ({exc})") from None
-    config = _config_from_metadata(md, weights, path)
+        raise GGUFError(f"{path}: not a readable GGUF file ({exc})") from None
+    check_finite_weights(weights, path)
     model = llama.Model(llama.ModelArgs(**config))
 
     quant = {}
@@ -234,7 +520,11 @@ def load_gguf(path, *, dequantize: bool = False) -> tuple[nn.Module, object, GGU
     model.a2ats_weights_fingerprint = fingerprint
     keep = {k: _meta_value(v) for k, v in md.items() if not k.startswith("tokenizer.ggml.")}
     info = GGUFInfo(path=path, architecture=md["general.architecture"], config=config, metadata=keep, fingerprint=fingerprint)
-    return model, build_tokenizer(md), info
+    try:
+        tokenizer = build_tokenizer(md)
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception on a bad vocabulary
+        raise GGUFError(f"{path}: GGUF tokenizer metadata does not give a tokenizer ({exc})") from None
+    return model, tokenizer, info
 
 
 def load_model(path_or_dir):

@@ -10,6 +10,10 @@ Metadata (safetensors string map): ``format`` = "a2ats-codebook", ``format_versi
 object with the package version, the model identity (architecture, layer and head counts, head_dim,
 RoPE base/scaling/layout, weights fingerprint), b, K, the token counts, the corpus description and
 the seed.
+
+The checksums cover the arrays only, so the metadata is checked as input on load: the model identity (every
+field of ``IDENTITY_KEYS`` and ``weights_fingerprint``) and ``b`` must be present with their types and ranges, and
+agree with the arrays. A file lacking one is refused: a missing field would otherwise switch its validation off.
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ import mlx.core as mx
 import numpy as np
 
 from a2ats_ref.checks import check_cholesky_conditioning
-from a2ats_ref.files.atomic import CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, verify_checksums
+from a2ats_ref.files.atomic import (CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, load_json,
+                                    verify_checksums)
 
 FORMAT_NAME = "a2ats-codebook"
 FORMAT_VERSION = "1"
 
 # Model identity keys compared by validate_against (fingerprint only when both sides have one).
 IDENTITY_KEYS = ("n_layers", "n_heads", "n_kv_heads", "head_dim", "rope_base", "rope_scaling", "rope_traditional")
+#: largest b a file may record: positions are float32 in the rotations, exact integers only up to 2^24
+MAX_B = 1 << 24
 
 
 class CodebookError(ValueError):
@@ -107,6 +114,8 @@ class Codebook:
         except OSError as exc:
             raise ValueError(f"codebook path {path}: cannot create its folder ({exc.strerror}); choose another path") from None
         check_writable(path, "codebook path")
+        # a file that load() would refuse is refused here, where the caller can still add what is missing
+        _check_identity(meta, path, n_layers=self.n_layers, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim)
         md = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "a2ats": json.dumps(meta, sort_keys=True),
               CHECKSUMS_KEY: checksums(arrays)}
         return atomic_save_safetensors(path, arrays, md)  # never a half-written codebook under the final name
@@ -136,12 +145,9 @@ class Codebook:
                 f"(this a2ats-ref reads version {FORMAT_VERSION}); recalibrate with a2ats-calibrate"
             )
         verify_checksums(path, arrays, md, error=CodebookError)
-        try:
-            meta = json.loads(md.get("a2ats", ""))
-            if not isinstance(meta, dict):
-                raise ValueError
-        except ValueError:
-            raise CodebookError(f"{path}: codebook metadata 'a2ats' is missing or not a JSON object") from None
+        meta = load_json(md.get("a2ats"), f"{path}: codebook metadata 'a2ats'", error=CodebookError)
+        if not isinstance(meta, dict):
+            raise CodebookError(f"{path}: codebook metadata 'a2ats' is not a JSON object")
         n_layers = meta.get("n_layers")
         if not isinstance(n_layers, int) or n_layers < 1:
             raise CodebookError(f"{path}: metadata n_layers is {n_layers!r}, expected a positive int")
@@ -162,6 +168,7 @@ class Codebook:
         for key, got in (("codebook_size", cz[0].shape[1]), ("n_kv_heads", cz[0].shape[0]), ("head_dim", cz[0].shape[2])):
             if meta.get(key) != got:
                 raise CodebookError(f"{path}: metadata {key}={meta.get(key)!r} disagrees with the arrays ({got})")
+        _check_identity(meta, path, n_layers=len(cz), n_kv_heads=cz[0].shape[0], head_dim=cz[0].shape[2])
         return cls(cz, Ls, meta)
 
     # ---- model check
@@ -199,6 +206,50 @@ class Codebook:
             problems.append(f"b: codebook calibrated for b={self.meta['b']}, config has b={config.b}")
         if problems:
             raise CodebookError("codebook does not match the model: " + "; ".join(problems))
+
+
+def _check_identity(meta: dict, path, **arrays_give) -> None:
+    """The model identity and b a codebook file must record, each of its type and range (see the module docstring)."""
+    def bad(field, v, want):
+        raise CodebookError(f"{path}: codebook metadata {field} is {v!r}; expected {want} (the file is damaged or was "
+                            "not written by a2ats-calibrate: recalibrate)")
+
+    for key in ("model", "b"):
+        if key not in meta:
+            raise CodebookError(f"{path}: codebook metadata lacks {key!r}; without it the codebook cannot be checked "
+                                "against a model (a2ats-calibrate records it; recalibrate a damaged file)")
+    b = meta["b"]
+    if not (_is_int(b) and 0 <= b <= MAX_B):
+        bad("b", b, f"an int in [0, {MAX_B}]")
+    mine = meta["model"]
+    if not isinstance(mine, dict):
+        bad("'model'", mine, "a JSON object of model identity fields")
+    for key in (*IDENTITY_KEYS, "weights_fingerprint"):
+        if key not in mine:
+            raise CodebookError(f"{path}: codebook metadata 'model' lacks {key!r}; without it the codebook cannot be "
+                                "checked against a model (recalibrate)")
+    for key in ("n_layers", "n_heads", "n_kv_heads", "head_dim"):
+        if not (_is_int(mine[key]) and mine[key] > 0):
+            bad(f"model.{key}", mine[key], "a positive int")
+    for key, got in arrays_give.items():
+        if mine[key] != got:
+            bad(f"model.{key}", mine[key], f"{got}, as the arrays give")
+    if mine["n_heads"] % mine["n_kv_heads"]:
+        bad("model.n_heads", mine["n_heads"], f"a multiple of n_kv_heads={mine['n_kv_heads']}")
+    base = mine["rope_base"]
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not (math.isfinite(base) and base > 0):
+        bad("model.rope_base", base, "a finite number > 0")
+    if not isinstance(mine["rope_traditional"], bool):
+        bad("model.rope_traditional", mine["rope_traditional"], "true or false")
+    if mine["rope_scaling"] is not None and not isinstance(mine["rope_scaling"], dict):
+        bad("model.rope_scaling", mine["rope_scaling"], "null or a JSON object")
+    fp = mine["weights_fingerprint"]
+    if not (isinstance(fp, str) and len(fp) == 64 and all(c in "0123456789abcdef" for c in fp)):
+        bad("model.weights_fingerprint", fp, "a SHA-256 (64 hex digits)")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _same(a, b) -> bool:

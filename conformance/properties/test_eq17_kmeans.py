@@ -111,7 +111,7 @@ def _boundary_init_case(draw):
     return {"z": z, "K": K, "N": N, "d": d, "seed": seed, "uniforms": np.array(u), "kinds": kinds}
 
 
-#: The audit's counterexample: u_1 = 0 with z[0] already chosen; side='left' re-picks z[0].
+#: A counterexample for the tie rule: u_1 = 0 with z[0] already chosen; side='left' re-picks z[0].
 _BOUNDARY_EXAMPLE = {"z": np.array([[0.0], [1.0], [3.0]]), "K": 3, "N": 3, "d": 1, "seed": 0,
                      "uniforms": np.array([0.0, 0.0, 0.5]), "kinds": ["zero", "interior"]}
 

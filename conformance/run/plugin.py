@@ -37,7 +37,7 @@ _HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.da
        HealthCheck.filter_too_much, HealthCheck.large_base_example]
 PROFILES = {"quick": 8, "ci": 50, "thorough": 500, "selftest": 12}
 for _name, _n in PROFILES.items():
-    settings.register_profile(_name, max_examples=_n, deadline=None, database=None, print_blob=True,
+    settings.register_profile(_name, max_examples=_n, deadline=None, database=None, print_blob=False,
                               suppress_health_check=_HC,
                               # selftest (mutant runs): a failure is all we need, so skip shrinking
                               **({"phases": [Phase.explicit, Phase.reuse, Phase.generate]} if _name == "selftest" else {}))
@@ -104,6 +104,8 @@ def pytest_addoption(parser):
     g.addoption("--a2ats-results", default=None, help="write per-test results as JSON to this file")
     g.addoption("--counterexample-dir", default=None, help="where failing examples are saved as .npz")
     g.addoption("--clauses", default=None, help="comma-separated clause IDs: run only tests citing one of them")
+    g.addoption("--a2ats-no-port-profile", action="store_true", default=False,
+                help="skip the port profile (each mechanism's variant, measured on its own probe)")
     g.addoption("--a2ats-example-timeout", type=float, default=DEFAULT_EXAMPLE_TIMEOUT_S,
                 help="seconds per example before the test fails as 'timeout' (0: no limit)")
     # Set by the supervising a2ats-conformance process (supervisor.py):
@@ -399,6 +401,32 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                     yellow=True)
 
 
+#: the most seconds one IUT call of the port profile may take (a hung call ends the profile; the verdicts stand)
+PROFILE_LIMIT_S = 60.0
+
+
+def _port_profile(config, st) -> list | None:
+    """The port profile (catalogue/profile.py) of the session's first dtype; None with --no-port-profile.
+    A failure or a hang in it becomes one row saying so: the clause verdicts never depend on it."""
+    if config.getoption("a2ats_no_port_profile"):
+        return None
+    from a2ats_conformance.catalogue.profile import profile
+
+    # each IUT call gets --a2ats-example-timeout (at most PROFILE_LIMIT_S); a native hang ends the process after
+    # it (faulthandler, via the dump file): the tests are done and reported, so only the profile is lost
+    limit = min(config.getoption("a2ats_example_timeout") or PROFILE_LIMIT_S, PROFILE_LIMIT_S)
+    dump = dump_path(st["run_dir"], "a2ats-port-profile")
+    try:
+        return profile(st["adapter"], dtype=st["dtypes"][0], caps=st["caps"], guard=lambda: time_limit(limit, dump))
+    except ExampleTimeout:
+        why = f"an IUT call did not return within {limit:g} s"
+    except Exception as exc:  # noqa: BLE001 - the profile must never take the verdicts down
+        why = f"{type(exc).__name__}: {exc}"
+    return [{"mechanism": "profile", "title": "port profile", "probe": "", "status": "error", "variant": "error",
+             "kind": None, "description": "", "source": "", "evidence": f"profile stopped: {why}"[:500],
+             "clauses": []}]
+
+
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if hasattr(config, "workerinput"):
@@ -408,6 +436,8 @@ def pytest_sessionfinish(session, exitstatus):
     if not st:
         return
     stale = _xf.unmatched(st["deviations"], {k: v["clauses"] for k, v in st["tests"].items()}, warn=False)
+    st["port_profile"] = None if exitstatus == pytest.ExitCode.INTERRUPTED else _port_profile(config, st)
+    _emit(config, "profile", rows=st["port_profile"])
     _emit(config, "finish", exitstatus=int(exitstatus),
           xfail_warnings=[f"line {d.lineno}: {d.pattern!r} matches no clause or test" for d in stale])
     if not path:
@@ -418,6 +448,7 @@ def pytest_sessionfinish(session, exitstatus):
         "tests": st["tests"],
         "xfail_warnings": [f"line {d.lineno}: {d.pattern!r} matches no clause or test" for d in stale],
         "only_clauses": sorted(st["only"]) if st["only"] else None,
+        "port_profile": st["port_profile"],
         "exitstatus": int(exitstatus),
         "wall_s": time.time() - st["t0"],
     }

@@ -21,7 +21,13 @@ def make_codebook(n_layers=2, n_kv=2, K=8, d=4, seed=0):
         A = rng.normal(size=(n_kv, d, d))
         H = A @ np.swapaxes(A, -1, -2) + np.eye(d)
         Ls.append(np.linalg.cholesky(H).astype(np.float32))
-    return Codebook(cz, Ls, {"b": 2048, "model": {"n_layers": n_layers, "n_kv_heads": n_kv, "head_dim": d}})
+    return Codebook(cz, Ls, {"b": 2048, "model": identity(n_layers, n_kv, d)})
+
+
+def identity(n_layers, n_kv, d) -> dict:
+    """A complete model identity, as a codebook file must record it."""
+    return {"architecture": "llama", "n_layers": n_layers, "n_heads": 2 * n_kv, "n_kv_heads": n_kv, "head_dim": d,
+            "rope_base": 10000.0, "rope_scaling": None, "rope_traditional": False, "weights_fingerprint": "0" * 64}
 
 
 def write(path, arrays, meta=None, fmt=FORMAT_NAME, version=FORMAT_VERSION):

@@ -1,4 +1,4 @@
-"""Issue 9, "Done when": faithful ports pass the ci profile with 0 fail; each unfaithful port fails the clause
+"""Faithful ports pass the ci profile with 0 fail; each unfaithful port fails the clause
 its bug violates and the report names the bug as the likely cause (deviation id of conformance/deviations.py)."""
 
 import numpy as np
@@ -67,3 +67,19 @@ def test_decode_scaffold_without_a_bug_is_the_numpy_port():
     o1, m1 = U._decode_with()(q, k, v, codes, C, **kw)
     o2, m2 = P.decode_step(q, k, v, codes, C, **kw)
     assert (m1 == m2).all() and abs(o1 - o2).max() < 1e-12
+
+
+import port_multi as M   # noqa: E402
+
+
+def test_authors_port_exits_0_with_its_xfails_and_each_choice_named(run_suite, tmp_path):
+    """A port on the authors' documented choices: with the xfails those choices need the run exits 0, and the
+    profile names each choice (and nothing else departs)."""
+    xf = tmp_path / "authors-xfails.txt"
+    xf.write_text("".join(f"{c}  # {why}\n" for c, why in M.AuthorsPort.xfails.items()))
+    code, rep = run_suite("port_multi:AuthorsPort", "--profile", "quick", "-n", "2", "--seed", "0", "--xfails", str(xf))
+    verdicts = {c: v["status"] for c, v in rep["clauses"].items()}
+    assert code == 0, verdicts
+    found = {r["mechanism"]: r["variant"] for r in rep["port_profile"] if r["status"] != "spec"}
+    assert found == M.AuthorsPort.named, found
+    assert all(r["kind"] == "authors" for r in rep["port_profile"] if r["status"] == "variant")
