@@ -283,6 +283,36 @@ def test_sortfree_takes_whole_tie_buckets_inside_may():
     np.testing.assert_array_equal(mask, may)
 
 
+def _skewed_case(seed, *, T=3000, K=64, n_q=4, d=8):
+    """One KV head, a GQA group of n_q; a few codes hold most tokens, so the heads' threshold buckets are
+    large, different, and together overflow the slots the step keeps for ties."""
+    rng = np.random.default_rng(seed)
+    f32 = lambda a: a.astype(np.float32).astype(np.float64)
+    q, k = f32(rng.standard_normal((1, n_q, 1, d))), f32(rng.standard_normal((1, 1, T, d)))
+    codes = rng.choice(K, size=(1, 1, T), p=rng.dirichlet(np.full(K, 0.2))).astype(np.uint16)
+    return q, k, k, codes, f32(rng.standard_normal((1, K, d)))
+
+
+@pytest.mark.clause("RET-SELECT")
+def test_sortfree_each_head_holds_its_top_k_count_when_ties_overflow():
+    """RET-SELECT's per-head count: each query head holds >= k of its own allowed top-k. With large, different
+    tie buckets per head, the other heads' ties must not take the slots of the tied tokens a head needs."""
+    inv, short = oracle.rope_inv_freqs(8, 1e4), []
+    for seed in range(16):
+        q, k, v, codes, C = _skewed_case(seed)
+        pos = codes.shape[-1] - 1
+        run = dict(query_pos=pos, b=2048, w=16, sinks=4, topk=0.05, traditional=False)
+        _, mask = _run(q, k, v, codes, C, "float32", method="sortfree", inv_freqs=inv, **run)
+        scores = oracle.token_scores(oracle.lut_scores(
+            oracle.far_query(q[:, :, 0], b=2048, inv_freqs=inv, traditional=False, positions=pos), C), codes)
+        held, _, kk = oracle.select_tokens_head_counts(mask, scores, n_kv_heads=1, query_pos=pos, w=16, sinks=4,
+                                                       topk=0.05, margin=tie_margin("float32", "RET-SELECT"))
+        short += [(seed, held.tolist(), kk)] if (held < kk).any() else []
+        must, may = _allowed(q, codes, C, query_pos=pos, topk=0.05, traditional=False, n_kv=1)
+        assert not (must & ~mask).any() and not (mask & ~may).any(), seed
+    assert not short, short
+
+
 def _mutate(monkeypatch, name, fn):
     monkeypatch.setattr(fd, name, fn)
     fd._sortfree_step_fn.cache_clear()

@@ -35,10 +35,10 @@ Three selection methods (``method=``): "host" (NumPy, exact top-k with the oracl
 * every token whose code scores at or above its head's threshold is taken, union over the GQA group, so
   ties at the threshold are taken whole: RET-SELECT's `may` holds every token >= the kk-th score, and
   `must` none of a tie that overflows kk (``sortfree_code_levels``);
-* compaction into a fixed slot list without sorting: one cumsum over T (must-level tokens first, ties
-  after) gives each selected token its slot and one scatter writes it there; the slot count
-  (``sortfree_width``) holds every must-level token (<= G·kk), and extra room for ties, which alone are
-  cut if a bucket is huge;
+* compaction into a fixed slot list without sorting: cumsums over T (must-level tokens and the tied
+  tokens each head needs for its own kk first, other ties after) give each selected token its slot and
+  one scatter writes it there; the slot count (``sortfree_width``) holds every first-priority token
+  (<= G·kk), and extra room for ties, which alone are cut if a bucket is huge;
 * the LUT, threshold, compaction, gather and attention are one ``mx.compile``d graph per step, every
   changing number (kk, candidate range, coded count, slot count) entering as data.
 """
@@ -295,6 +295,21 @@ def sortfree_code_levels(lut: mx.array, counts: mx.array, kk: mx.array):
     return levels, n1, n2
 
 
+def sortfree_tie_quotas(lut: mx.array, counts: mx.array, kk: mx.array, thr: mx.array):
+    """Per query head, the tied bucket it must draw from and how many of its tokens: RET-SELECT's per-head
+    count (each head holds >= kk of its own top-k) needs kk - (#candidates strictly above) tied tokens of a
+    head whose threshold bucket overflows kk. The level-2 tokens of the other heads of the group must not
+    take their slots, so these tokens rank with level 1 (``_sortfree_select``).
+
+    Returns (tie (BH, G, K) bool: codes at the head's threshold when its bucket overflows, need (BH, G) int32).
+    """
+    eq = lut == thr
+    n_gt = mx.sum(mx.where(lut > thr, counts[:, None, :], 0), axis=-1)
+    n_eq = mx.sum(mx.where(eq, counts[:, None, :], 0), axis=-1)
+    need = kk - n_gt
+    return eq & (n_gt + n_eq > kk)[..., None], need
+
+
 #: spare slots (a power of two) that unselected tokens are scattered to, spread so no slot takes many writes
 SORTFREE_SPILL = 1024
 
@@ -308,18 +323,28 @@ def sortfree_width(kk: int, G: int, K: int, n_cand: int, step: int = 256) -> int
 
 
 def _sortfree_select(lut, codes, counts, kk, c0, c1, n_slots, *, BH, T_codes, S):
-    """Compaction: the selected candidates' indices in index order, level 1 first, into S slots.
+    """Compaction: the selected candidates' indices in index order, first-priority tokens first, into S slots.
 
-    Each candidate's slot is a prefix count of its level (one cumsum over T of both levels at once), then one
-    scatter writes token indices to their slots; unselected and overflowing tokens go to spill slots past S.
-    n_slots is S as data (a constant would make every new S a new fused kernel to JIT-compile).
+    First priority: level 1, and of each head's overflowing tie bucket the first (index order) tokens it needs
+    for its kk (``sortfree_tie_quotas``): at most G·kk tokens, so S >= G·kk slots never cut one. The other
+    level-2 ties come after them and alone are cut at S. Each candidate's slot is a prefix count (cumsums over
+    T), then one scatter writes token indices to their slots; unselected and overflowing tokens go to spill
+    slots past S. n_slots is S as data (a constant would make every new S a new fused kernel to JIT-compile).
     Returns idx (BH, S) int32 and keep (BH, S) bool (slots past the selection are padding)."""
     levels, n1, n2 = sortfree_code_levels(lut, counts, kk)
+    tie, need = sortfree_tie_quotas(lut, counts, kk, sortfree_threshold(lut, counts, kk))
+    G = lut.shape[1]
     j = mx.arange(T_codes, dtype=mx.int32)
-    lv = mx.take_along_axis(levels, codes.reshape(BH, T_codes), axis=-1)
-    lv = mx.where((j >= c0) & (j < c1), lv, 0)
-    rank = mx.cumsum(mx.stack([lv == 1, lv == 2]).astype(mx.int32), axis=-1)
-    slot = mx.where(lv == 1, rank[0] - 1, mx.where(lv == 2, n1[:, None] + rank[1] - 1, n_slots))
+    cand = (j >= c0) & (j < c1)
+    c = codes.reshape(BH, T_codes)
+    lv = mx.where(cand, mx.take_along_axis(levels, c, axis=-1), 0)
+    tied = mx.take_along_axis(tie, mx.broadcast_to(c[:, None, :], (BH, G, T_codes)), axis=-1) & cand
+    needed = mx.any(tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= need[..., None]), axis=1) & (lv == 2)
+    first = (lv == 1) | needed
+    rest = (lv == 2) & ~needed
+    rank = mx.cumsum(mx.stack([first, rest]).astype(mx.int32), axis=-1)
+    n_first = mx.sum(first.astype(mx.int32), axis=-1)
+    slot = mx.where(first, rank[0] - 1, mx.where(rest, n_first[:, None] + rank[1] - 1, n_slots))
     slot = mx.where(slot < n_slots, slot, n_slots + (j & (SORTFREE_SPILL - 1)))
     buf = mx.zeros((BH, S + SORTFREE_SPILL), dtype=mx.int32)
     idx = mx.put_along_axis(buf, slot, mx.broadcast_to(j[None], (BH, T_codes)), axis=-1)[:, :S]
