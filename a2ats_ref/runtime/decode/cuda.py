@@ -2,7 +2,10 @@
 
 The selection is the portable sort-free step's (``fast_decode``: RET-SELECT's sets from per-code levels, ties
 at a head's threshold taken whole, level-1 tokens first and then level-2 ties, each in index order, cut at S
-slots), and so is the attention. What changes is the number of launches and the bytes read: the portable step
+slots), and so is the attention, except where the S-slot cut binds in a GQA group of G > 1: the kernels cut
+the level-2 ties of the whole group in index order, the portable step first ranks the tied tokens each head
+needs for its own kk (RET-SELECT's per-head count) with level 1, so there a kernel step can leave a head short
+of its count. What changes is the number of launches and the bytes read: the portable step
 is ~80 small MLX kernels and its time on an H200 was launch overhead (ncu: 81 kernels, most of 2-3 us), and each
 launch through MLX's custom-kernel path still costs ~0.03-0.05 ms of wall time there. So the step is two
 kernels, the fewest its one global dependency allows (every token's fate needs each head's threshold, which
