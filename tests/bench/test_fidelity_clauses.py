@@ -17,8 +17,10 @@ import pytest
 
 from a2ats_conformance.harness.tolerances import tolerance
 from a2ats_ref.bench import fidelity as bf
+from a2ats_ref.calibration import calibrate as cal
 from a2ats_ref.calibration.calibrate import head_seed
-from a2ats_ref.calibration.collect import Collected
+from a2ats_ref.calibration.collect import Collected, collect
+from a2ats_ref.calibration.corpus import build_corpus
 from a2ats_ref.eq10_query_moment import query_moment
 from a2ats_ref.eq12_far_keys import far_keys, far_query
 from a2ats_ref.eq13_score_error import score_error
@@ -28,6 +30,7 @@ from a2ats_ref.eq17_kmeans import kmeans
 from a2ats_ref.eq18_back_transform import back_transform
 from a2ats_ref.retrieval import select_tokens
 from a2ats_ref.rope import rope_inv_freqs
+from test_calib_tiny import TEXT, ByteTokenizer, tiny_model
 
 TINY = bf.PROFILES["tiny"]
 N_Q, N_KV, D, B, W, SINKS = 6, 2, 16, 2048, 16, 2
@@ -140,6 +143,37 @@ def test_bench_score_error_and_recall_are_the_clause_functions():
     check_measures(_fit(col), *_eval_qk(rng))
 
 
+def _calibrate_both(tmp_path, max_iter=cal.DEFAULTS["max_iter"]):
+    """a2ats-calibrate's codebook and the bench's query-aware books for the same model, corpus, K and seed."""
+    text = tmp_path / "calib.py"
+    text.write_text(TEXT)
+    m, tok = tiny_model(), ByteTokenizer()
+    corpus_kw = dict(tokens=300, uuid_fraction=0.25, seq_len=128, seed=3, packing="packed")
+    cb = cal.calibrate(m, tok, texts=[text], codebook_size=16, b=64, chunk=48, quiet=True, **corpus_kw)
+    corpus = build_corpus(tok, paths=[text], **corpus_kw)
+    col = collect(m, corpus.sequences, b=64, chunk=48)
+    books = bf.fit_layer_books(col, range(len(col.keys)), 16, max_iter, seed=3)
+    return cb, books
+
+
+def check_equal_codebooks(cb, books):
+    for li, (Cz, L) in enumerate(zip(cb.cz, cb.Ls)):
+        assert np.array_equal(np.asarray(books[li]["query_aware"].L), np.asarray(L)), f"layer {li}: L"
+        assert np.array_equal(np.asarray(books[li]["query_aware"].Cz), np.asarray(Cz)), f"layer {li}: Cz"
+
+
+@pytest.mark.clause("EQ-10", "EQ-15", "EQ-16", "EQ-17-FIT", "EQ-18")
+def test_bench_codebooks_equal_a2ats_calibrates_codebook(tmp_path):
+    check_equal_codebooks(*_calibrate_both(tmp_path))
+
+
+@pytest.mark.clause("EQ-17-FIT")
+def test_calibrate_check_catches_a_step_cap(tmp_path):
+    # the bench's Lloyd cap is a departure: below a2ats-calibrate's steps the books differ, and the check says so
+    with pytest.raises(AssertionError, match="Cz"):
+        check_equal_codebooks(*_calibrate_both(tmp_path, max_iter=1))
+
+
 def _uniform_lloyd(keys, L, K, *, seed, layer, max_iter, tol):
     """Planted deviation: Lloyd k-means seeded with K distinct uniform draws instead of k-means++."""
     out = []
@@ -154,11 +188,13 @@ def _uniform_lloyd(keys, L, K, *, seed, layer, max_iter, tol):
 
 
 @pytest.mark.clause("EQ-17-INIT")
-def test_codebook_check_catches_a_uniform_init_kmeans(monkeypatch):
+def test_codebook_checks_catch_a_uniform_init_kmeans(monkeypatch, tmp_path):
     col, q, k = _calibration(np.random.default_rng(0))
     monkeypatch.setattr(bf, "fit_layer", _uniform_lloyd)
     with pytest.raises(AssertionError, match="Cz is not a2ats-calibrate's fit"):
         check_codebooks(_fit(col), q, k)
+    with pytest.raises(AssertionError, match="Cz"):
+        check_equal_codebooks(*_calibrate_both(tmp_path))
 
 
 @pytest.mark.clause("RET-SELECT")
