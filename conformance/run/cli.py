@@ -94,7 +94,8 @@ def _pytest_args(a, ini_path: str, cex_dir: str, repro_prefix: str) -> list[str]
     # Our own empty ini file: a project's pytest configuration must not leak into the suite.
     args = [SUITE_DIR, "-c", ini_path, "--rootdir", SUITE_DIR, "-p", "no:cacheprovider",
             f"--hypothesis-profile={a.profile}", "-q" if not a.verbose else "-v",
-            "--tb=short", "-W", "ignore::pytest.PytestAssertRewriteWarning",
+            # without -v the child prints no tracebacks: the verdict and profile come first, the evidence after
+            *(["--tb=short"] if a.verbose else ["--tb=no", "-rN"]), "-W", "ignore::pytest.PytestAssertRewriteWarning",
             f"--counterexample-dir={cex_dir}", f"--a2ats-example-timeout={a.example_timeout}"]
     if a.iut is not None:
         args.append(f"--iut={a.iut}")
@@ -110,6 +111,8 @@ def _pytest_args(a, ini_path: str, cex_dir: str, repro_prefix: str) -> list[str]
         args.append(f"--hypothesis-seed={a.seed}")
     if a.k:
         args += ["-k", a.k]
+    if getattr(a, "no_port_profile", False):
+        args.append("--a2ats-no-port-profile")
     if a.n and a.n > 1:
         args += ["-n", str(a.n), "-p", "xdist"]
     else:
@@ -161,8 +164,18 @@ def run_suite(a) -> dict:
         "tests": raw["tests"],
         "summary": dict(summary, failed_clauses=failed, pytest_exit=raw["pytest_exit"]),
         "xfail_warnings": raw["xfail_warnings"],
+        "port_profile": port_profile_rows(raw.get("port_profile"), failed),
         "wall_s": round(time.time() - t0, 2),
     }
+
+
+def port_profile_rows(rows, failed: list[str]):
+    """The child's profile rows with ``explains`` (the failing clauses each row's variant accounts for)."""
+    if rows is None:
+        return None
+    from a2ats_conformance.catalogue.profile import explain
+
+    return explain(rows, failed)
 
 
 def exit_status(report: dict) -> int:
@@ -203,10 +216,41 @@ def _note(c: dict, width: int | None = 90) -> str:
     return note[:width] if width else note
 
 
+def verdict_line(report: dict) -> str:
+    """The run's verdict in one line: what a port author reads first."""
+    failed = report["summary"]["failed_clauses"]
+    if exit_status(report) == 2:
+        return "verdict: NO VERDICT (the run could not start; see the error below)"
+    if failed:
+        return f"verdict: FAIL, {len(failed)} clause(s) fail: {', '.join(failed)}"
+    if exit_status(report) == 3:
+        return "verdict: INCOMPLETE, no clause failed among those that ran"
+    return "verdict: PASS, no clause fails"
+
+
+def profile_lines(report: dict, width: int | None = 110) -> list[str]:
+    """The port profile as a table: mechanism, variant found, the failing clauses it explains, evidence."""
+    rows = report.get("port_profile")
+    if not rows:
+        return []
+    spec = sum(1 for r in rows if r["status"] == "spec")
+    out = [f"port profile ({spec} of {len(rows)} mechanisms as the spec; catalogue/profile.py):",
+           f"  {'mechanism':<32} {'variant found':<34} explains"]
+    for r in rows:
+        mark = "" if r["status"] == "spec" else "*"
+        variant = f"{mark}{r['variant']}" + (f" ({r['kind']})" if r.get("kind") == "authors" else "")
+        out.append(f"  {r['title'][:32]:<32} {variant[:34]:<34} {', '.join(r.get('explains') or []) or '-'}")
+        if r["status"] not in ("spec", "not-implemented", "not-applicable"):
+            ev = f"{r['description']}; {r['evidence']}" if r.get("description") else r["evidence"]
+            out.append(f"  {'':<32}   {ev[:width] if width else ev}")
+    return out
+
+
 def format_table(report: dict) -> str:
     impl = report["implementation"]
     lines = [f"A2ATS conformance: {impl.get('name', '?')} {impl.get('version', '')} "
              f"[{impl.get('iut', '')}] dtype {impl.get('dtype', '?')}, profile {report['profile']}",
+             verdict_line(report), *profile_lines(report),
              f"{'clause':<20} {'status':<16} {'tests':>5} {'examples':>8}  note"]
     for cid, c in report["clauses"].items():
         lines.append(f"{cid:<20} {c['status']:<16} {c['tests']:>5} {c['examples']:>8}  {_note(c)}")
@@ -221,6 +265,24 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def evidence_text(report: dict) -> str:
+    """After the table: each failing clause's full message, its diagnosis and its replay command."""
+    out = []
+    for cid, c in report["clauses"].items():
+        if c["status"] not in FAILING:
+            continue
+        cex = c.get("counterexample") or {}
+        out.append(f"--- {cid}: {c['status']} ({cex.get('test', '?')})")
+        msg = (cex.get("message") or "").rstrip()
+        if msg:
+            out.append(msg)
+        if cex.get("help") and cex["help"] not in msg:
+            out.append("\n".join("  " + ln for ln in cex["help"].splitlines()))
+        if cex.get("repro") and cex["repro"] not in msg:
+            out.append(f"  replay: {cex['repro']}")
+    return ("evidence (failing clauses, in SPEC order):\n" + "\n".join(out)) if out else ""
+
+
 def _cause_lines(c: dict) -> list[str]:
     """A failing clause's likely causes (diagnose.py), one line each, for the terminal table."""
     cex = c.get("counterexample") or {}
@@ -229,8 +291,8 @@ def _cause_lines(c: dict) -> list[str]:
     causes = [lc for lc in cex["likely_causes"] if isinstance(lc, dict)]
     if not causes:
         return ["likely cause: no known cause matched"]
-    return [f"likely cause: {lc.get('cause')} ({lc.get('matched')}/{lc.get('of')} failing examples) [{lc.get('id')}]"
-            for lc in causes]
+    return [f"{'likely cause' if lc.get('likely', True) else 'also consistent'}: {lc.get('cause')} "
+            f"({lc.get('matched')}/{lc.get('of')} failing examples) [{lc.get('id')}]" for lc in causes]
 
 
 def write_reports(report: dict, a) -> None:
@@ -262,7 +324,8 @@ def _md_failure(cid: str, c: dict) -> list[str]:
     if cex.get("case"):
         out.append(f"- case: `{json.dumps(cex['case'], default=str)[:400]}`")
     for lc in cex.get("likely_causes") or ():   # diagnose.py: {"id", "cause", "matched", "of"}
-        out.append(f"- likely cause: {lc.get('cause')}, matches {lc.get('matched')}/{lc.get('of')} failing examples "
+        label = "likely cause" if not isinstance(lc, dict) or lc.get("likely", True) else "also consistent"
+        out.append(f"- {label}: {lc.get('cause')}, matches {lc.get('matched')}/{lc.get('of')} failing examples "
                    f"[`{lc.get('id')}`]" if isinstance(lc, dict) else f"- likely cause: {lc}")
     if "likely_causes" in cex and not cex["likely_causes"]:
         out.append("- likely cause: no known cause matched")
@@ -287,7 +350,19 @@ def format_markdown(report: dict) -> str:
             f"- missing callables: {', '.join(impl.get('missing', [])) or 'none'}",
             f"- declared capabilities: {_caps_line(impl.get('capabilities'))}",
             f"- counterexamples: `{(report.get('run') or {}).get('counterexample_dir', '-')}`", "",
-            "| clause | status | tests | examples | counterexample / note |", "|---|---|---:|---:|---|"]
+            f"**{verdict_line(report)}**", ""]
+    if report.get("port_profile"):
+        out += ["## Port profile", "", "Each mechanism measured on its own probe and classified among the "
+                "catalogue's variants (`*`: not the spec's).", "",
+                "| mechanism | variant found | source | explains failing | evidence |", "|---|---|---|---|---|"]
+        for r in report["port_profile"]:
+            cell = lambda x: str(x).replace("|", chr(92) + "|")  # noqa: E731
+            mark = "" if r["status"] == "spec" else "*"
+            ev = "" if r["status"] == "spec" else f"{r.get('description', '')}; {r['evidence']}".strip("; ")
+            out.append(f"| {cell(r['title'])} | {mark}{cell(r['variant'])} | {cell(r.get('source', ''))} | "
+                       f"{', '.join(r.get('explains') or []) or '-'} | {cell(ev)} |")
+        out.append("")
+    out += ["## Clauses", "", "| clause | status | tests | examples | counterexample / note |", "|---|---|---:|---:|---|"]
     for cid, c in report["clauses"].items():
         note = _note(c, None).splitlines()[0] if _note(c, None) else ""
         out.append(f"| {cid} | {c['status']} | {c['tests']} | {c['examples']} | {note.replace('|', chr(92) + '|')} |")
@@ -321,6 +396,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--example-timeout", type=float, default=DEFAULT_EXAMPLE_TIMEOUT_S, metavar="S",
                    help=f"seconds one example may take before its test fails as 'timeout' "
                         f"(default {DEFAULT_EXAMPLE_TIMEOUT_S:g}; 0: no limit)")
+    p.add_argument("--no-port-profile", action="store_true",
+                   help="skip the port profile (each mechanism's variant, measured on its own probe)")
     p.add_argument("-k", default=None, help="pytest -k expression")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("-q", "--quiet", action="store_true", help="no pytest output, only the table")
@@ -361,6 +438,9 @@ def main(argv=None) -> int:
     for w in report["xfail_warnings"]:
         warnings.warn(f"known-deviations file {a.xfails}: {w}", XfailWarning, stacklevel=1)
     print(format_table(report))
+    evidence = evidence_text(report)
+    if evidence:
+        print(evidence)
     write_reports(report, a)
     if report["run"]["error"]:
         print(f"a2ats-conformance: {report['run']['error']}", file=sys.stderr)

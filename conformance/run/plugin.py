@@ -28,16 +28,15 @@ from a2ats_conformance.run import xfails as _xf
 from a2ats_conformance.harness.adapter import (CACHE_FUNCTIONS, CLAUSE_FUNCTIONS, AdapterError, NotImplementedByIUT, describe,
                       has_function, load_adapter, resolve_iut_spec)
 from a2ats_conformance.harness.pytest_helpers import Context, ConformanceFailure
-from a2ats_conformance.reveal import BUDGET_S as REVEAL_BUDGET_S
 from a2ats_conformance.run.watchdog import DEFAULT_EXAMPLE_TIMEOUT_S, ExampleTimeout, dump_path, time_limit
 
-__all__ = ["PROFILES", "known_clauses", "item_clauses", "current_profile"]
+__all__ = ["PROFILES", "known_clauses", "item_clauses", "current_profile", "DTYPE_MATRIX_CLAUSES", "dtypes_for"]
 
 _HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large,
        HealthCheck.filter_too_much, HealthCheck.large_base_example]
 PROFILES = {"quick": 8, "ci": 50, "thorough": 500, "selftest": 12}
 for _name, _n in PROFILES.items():
-    settings.register_profile(_name, max_examples=_n, deadline=None, database=None, print_blob=True,
+    settings.register_profile(_name, max_examples=_n, deadline=None, database=None, print_blob=False,
                               suppress_health_check=_HC,
                               # selftest (mutant runs): a failure is all we need, so skip shrinking
                               **({"phases": [Phase.explicit, Phase.reuse, Phase.generate]} if _name == "selftest" else {}))
@@ -104,6 +103,8 @@ def pytest_addoption(parser):
     g.addoption("--a2ats-results", default=None, help="write per-test results as JSON to this file")
     g.addoption("--counterexample-dir", default=None, help="where failing examples are saved as .npz")
     g.addoption("--clauses", default=None, help="comma-separated clause IDs: run only tests citing one of them")
+    g.addoption("--a2ats-no-port-profile", action="store_true", default=False,
+                help="skip the port profile (each mechanism's variant, measured on its own probe)")
     g.addoption("--a2ats-example-timeout", type=float, default=DEFAULT_EXAMPLE_TIMEOUT_S,
                 help="seconds per example before the test fails as 'timeout' (0: no limit)")
     # Set by the supervising a2ats-conformance process (supervisor.py):
@@ -178,7 +179,8 @@ def pytest_configure(config):
     _caps.set_current(caps)   # strategies read it at draw time (also on xdist workers: each runs this hook)
     clauses = config.getoption("clauses")
     config.stash[_STATE] = {
-        "adapter": adapter, "spec": spec, "dtypes": dtypes, "deviations": devs, "caps": caps,
+        "adapter": adapter, "spec": spec, "dtypes": dtypes, "dtype_default": want in (None, ""),
+        "deviations": devs, "caps": caps,
         "only": {c.strip() for c in clauses.split(",")} if clauses else None,
         "tests": {}, "t0": time.time(), "run_dir": config.getoption("a2ats_run_dir"),
     }
@@ -200,10 +202,27 @@ def pytest_report_header(config):
             f"hypothesis profile: {current_profile()}"]
 
 
+#: Clauses whose properties a default run (no --dtype) also runs at every half-precision dtype the IUT declares:
+#: users run float16 and bfloat16 models, and a bug of a half-precision branch (a kernel that drops the
+#: attention scale, scores in the input dtype) shows only there. The other clauses run at the first dtype.
+DTYPE_MATRIX_CLAUSES = frozenset({"RET-LUT", "RET-ATTN", "RET-DECODE", "PREFILL"})
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+def dtypes_for(st: dict, clauses) -> list[str]:
+    """The dtypes a test citing ``clauses`` runs at: the run's dtypes, plus the IUT's half-precision dtypes for
+    DTYPE_MATRIX_CLAUSES when the run chose none (--dtype left out)."""
+    dtypes = list(st["dtypes"])
+    if st.get("dtype_default") and DTYPE_MATRIX_CLAUSES.intersection(clauses):
+        dtypes += [d for d in st["adapter"].dtypes if d in HALF_DTYPES and d not in dtypes]
+    return dtypes
+
+
 def pytest_generate_tests(metafunc):
     if "dtype" in metafunc.fixturenames:
         st = metafunc.config.stash[_STATE]
-        metafunc.parametrize("dtype", st["dtypes"])
+        clauses = [c for m in metafunc.definition.iter_markers("clause") for c in m.args]
+        metafunc.parametrize("dtype", dtypes_for(st, clauses))
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -288,9 +307,8 @@ def pytest_runtest_call(item):
     if outcome.excinfo is not None and ctx.failures:   # diagnosis: only ever after a failure
         from a2ats_conformance.diagnose import explain_failure
 
-        try:   # diagnosis calls the IUT again (revealing search): it gets the same limit, after its own budget
-            with time_limit(limit and limit + REVEAL_BUDGET_S, dump):
-                explain_failure(item, ctx, outcome.excinfo[1])
+        try:   # diagnosis calls the IUT again (revealing search): each of those examples gets the same hang limit
+            explain_failure(item, ctx, outcome.excinfo[1], guard=lambda: time_limit(limit, dump))
         except ExampleTimeout:
             item.add_report_section("call", "a2ats diagnosis", "diagnosis stopped: the IUT did not return in time")
         except Exception as exc:  # noqa: BLE001 - diagnosis must never hide the failure it explains
@@ -399,6 +417,32 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                     yellow=True)
 
 
+#: the most seconds one IUT call of the port profile may take (a hung call ends the profile; the verdicts stand)
+PROFILE_LIMIT_S = 60.0
+
+
+def _port_profile(config, st) -> list | None:
+    """The port profile (catalogue/profile.py) of the session's first dtype; None with --no-port-profile.
+    A failure or a hang in it becomes one row saying so: the clause verdicts never depend on it."""
+    if config.getoption("a2ats_no_port_profile"):
+        return None
+    from a2ats_conformance.catalogue.profile import profile
+
+    # each IUT call gets --a2ats-example-timeout (at most PROFILE_LIMIT_S); a native hang ends the process after
+    # it (faulthandler, via the dump file): the tests are done and reported, so only the profile is lost
+    limit = min(config.getoption("a2ats_example_timeout") or PROFILE_LIMIT_S, PROFILE_LIMIT_S)
+    dump = dump_path(st["run_dir"], "a2ats-port-profile")
+    try:
+        return profile(st["adapter"], dtype=st["dtypes"][0], caps=st["caps"], guard=lambda: time_limit(limit, dump))
+    except ExampleTimeout:
+        why = f"an IUT call did not return within {limit:g} s"
+    except Exception as exc:  # noqa: BLE001 - the profile must never take the verdicts down
+        why = f"{type(exc).__name__}: {exc}"
+    return [{"mechanism": "profile", "title": "port profile", "probe": "", "status": "error", "variant": "error",
+             "kind": None, "description": "", "source": "", "evidence": f"profile stopped: {why}"[:500],
+             "clauses": []}]
+
+
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     if hasattr(config, "workerinput"):
@@ -408,6 +452,8 @@ def pytest_sessionfinish(session, exitstatus):
     if not st:
         return
     stale = _xf.unmatched(st["deviations"], {k: v["clauses"] for k, v in st["tests"].items()}, warn=False)
+    st["port_profile"] = None if exitstatus == pytest.ExitCode.INTERRUPTED else _port_profile(config, st)
+    _emit(config, "profile", rows=st["port_profile"])
     _emit(config, "finish", exitstatus=int(exitstatus),
           xfail_warnings=[f"line {d.lineno}: {d.pattern!r} matches no clause or test" for d in stale])
     if not path:
@@ -418,6 +464,7 @@ def pytest_sessionfinish(session, exitstatus):
         "tests": st["tests"],
         "xfail_warnings": [f"line {d.lineno}: {d.pattern!r} matches no clause or test" for d in stale],
         "only_clauses": sorted(st["only"]) if st["only"] else None,
+        "port_profile": st["port_profile"],
         "exitstatus": int(exitstatus),
         "wall_s": time.time() - st["t0"],
     }

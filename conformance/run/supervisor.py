@@ -138,7 +138,7 @@ def _run_child_suite(pytest_args: list[str], *, quiet: bool) -> Outcome:
         skip = os.path.join(run_dir, "done.txt")
         args = [*pytest_args, f"--a2ats-stream={stream}", f"--a2ats-run-dir={run_dir}", f"--a2ats-skip={skip}"]
         out = Outcome(tests={}, collected={}, done=set(), implementation=None, crashes=[], interrupted=False,
-                      error=None, xfail_warnings=[], pytest_exit=None, complete=False)
+                      error=None, xfail_warnings=[], pytest_exit=None, complete=False, port_profile=None)
         seen = 0
         for _ in range(MAX_RESTARTS + 1):
             with open(skip, "w", encoding="utf-8") as f:
@@ -189,6 +189,8 @@ def _absorb(out: Outcome, events: list[dict], run_dir: str, code: int) -> bool:
             out["tests"][ev["nodeid"]] = ev["record"]
             if ev.get("when") != "setup" or ev["record"].get("outcome") != "passed":
                 done.add(ev["nodeid"])
+        elif kind == "profile":
+            out["port_profile"] = ev.get("rows")
         elif kind == "finish":
             finished = True
             out["xfail_warnings"] = ev.get("xfail_warnings", [])

@@ -30,7 +30,7 @@ __all__ = ["FORMAT", "SIZES", "generate", "write_vectors", "load_vectors", "writ
 FORMAT = "a2ats-golden-vectors/2"
 FORMAT_V1 = "a2ats-golden-vectors/1"
 SIZES = ("small", "full")
-MIN_CASES = 20            # stateless cases per clause (issue 11)
+MIN_CASES = 20            # stateless cases per clause
 GRADED_DTYPES = ("float32", "float64")   # allowed sets are computed at the float32 tie margin
 
 

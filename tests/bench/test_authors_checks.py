@@ -1,9 +1,13 @@
 """The facts SPEC.md states about the authors' code, recomputed (a2ats_ref.bench.authors_checks)."""
 
 import numpy as np
+import pytest
 
 from a2ats_ref.bench import authors_checks as ac
 from a2ats_spec import oracle as _o
+
+#: the facts behind SPEC's departures from the authors' code, each on the clause it departs in
+pytestmark = pytest.mark.clause("RET-ATTN", "RET-TOPK", "EQ-17-STEP")
 
 
 def test_zero_vector_collapse_never_raises_the_objective_but_wastes_a_code():

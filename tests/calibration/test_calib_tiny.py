@@ -69,7 +69,7 @@ def test_end_to_end_file_loads_and_validates(tiny_codebook, tmp_path):
             np.testing.assert_array_equal(np.array(a), np.array(b))
     back.validate_against(m)
     assert back.meta["model"]["weights_fingerprint"] == cb.meta["model"]["weights_fingerprint"]
-    t = back.meta["timings"]   # each phase's effective rate is recorded (issue 13)
+    t = back.meta["timings"]   # each phase's effective rate is recorded
     for key in ("collect_tokens_per_s", "collect_gflops", "kmeans_init_gflops", "kmeans_lloyd_gflops"):
         assert t[key] > 0, (key, t)
 
@@ -127,6 +127,7 @@ def test_codebook_feeds_the_cache(tiny_codebook):
         disable_a2ats(m)
 
 
+@pytest.mark.clause("EQ-10")
 def test_accumulated_moment_equals_query_moment():
     rng = np.random.default_rng(0)
     n_q, n_kv, N, d, b = 4, 2, 37, 16, 100
@@ -230,6 +231,7 @@ def _attention64(q, k, v, scale):
     return p @ v / p.sum(axis=-1, keepdims=True)
 
 
+@pytest.mark.clause("PREFILL")
 @pytest.mark.parametrize("Tq, Tk", [(1, 1), (1, 23), (9, 9), (9, 30), (30, 30)])
 def test_host_causal_attention_matches_float64(Tq, Tk):
     # Blocks of 4 rows x 7 keys: the online softmax's rescaling and the causal cut inside a block both run.
@@ -270,6 +272,7 @@ def test_collection_allocates_each_kv_cache_once_per_sequence(monkeypatch):
     assert per_cache and all(len(s) == 1 for s in per_cache.values()), per_cache
 
 
+@pytest.mark.clause("EQ-17-STEP")
 def test_seeding_ahead_gives_the_same_codebook_and_lloyd_takes_all_cores_when_it_is_done(text_file, tiny_codebook,
                                                                                          monkeypatch):
     import contextlib

@@ -17,6 +17,7 @@ def _sequential(w, u):
     return min(int(np.searchsorted(cum, u * cum[-1], side="right")), w.size - 1)
 
 
+@pytest.mark.clause("EQ-17-INIT")
 @pytest.mark.parametrize("N", [1, 7, 256, 1000])
 def test_block_sums_pick_as_the_sequential_cumsum(N):
     rng = np.random.default_rng(N)
@@ -47,6 +48,7 @@ def _plain_kmeanspp(zn, K, u):
     return zn[chosen]
 
 
+@pytest.mark.clause("EQ-17-INIT")
 @pytest.mark.parametrize("spread", [0.05, 1.0])
 def test_pruned_kmeanspp_picks_as_the_plain_rule(spread):
     # Anisotropic clusters (a few dominant directions, like calibration keys) and near-isotropic ones: the
@@ -61,6 +63,7 @@ def test_pruned_kmeanspp_picks_as_the_plain_rule(spread):
     np.testing.assert_array_equal(got, _plain_kmeanspp(zn, K, u))
 
 
+@pytest.mark.clause("EQ-17-FIT")
 def test_fit_from_centres_seeded_ahead_is_the_same_fit():
     # a2ats-calibrate seeds in a worker thread (seed_centres, NumPy only) and passes the centres as init.
     from a2ats_ref.eq17_kmeans import kmeans, seed_centres

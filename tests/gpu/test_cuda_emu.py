@@ -41,6 +41,7 @@ ATTN_BOUND = {mx.float32: 1e-5, mx.float16: 1e-2, mx.bfloat16: 1e-2}
     dict(T=2000, n_q=4, n_kv=1, d=256, K=64, dtype=mx.float16, seed=10),
 ], ids=lambda c: f"d{c['d']}-G{c['n_q'] // c['n_kv']}-K{c['K']}-{str(c['dtype']).rsplit('.', 1)[-1]}"
                  + (f"-S{c['S']}" if "S" in c else "") + ("-recounted" if c.get("kept") is False else ""))
+@pytest.mark.clause("RET-SELECT", "RET-DECODE")
 def test_kernels_on_the_host_match_the_portable_step(case):
     diff = selfcheck.compare_parts(launch=cuda_emu.emulate, **case)
     assert diff["same_selection"] and diff["extra"] == diff["missing"] == 0, diff
@@ -65,6 +66,7 @@ PLAIN_CASE = dict(T=1500, n_q=4, n_kv=2, d=32, K=64, dtype=mx.float32, seed=3)
     # one token past the row in the mask kernel's write: AddressSanitizer stops it
     ("sel[(size_t)r * n + tok[i]] = 1;", "sel[(size_t)r * n + tok[i] + 1] = 1;", PLAIN_CASE, "crash"),
 ], ids=["cut-off-by-one", "ranks-without-earlier-chunks", "radix-rank", "lane-group-merge", "write-past-row"])
+@pytest.mark.clause("RET-SELECT", "RET-ATTN")
 def test_host_kernels_reject_mutants(monkeypatch, old, new, case, expect):
     # a mutant of a source shared by several kernels (the scan) changes all of them, as an edit of the module would
     hit = [k for k, (_, _, src) in cuda_decode.KERNELS.items() if old in src]
@@ -95,6 +97,7 @@ def host_kernels(monkeypatch):
     monkeypatch.setattr(cuda_decode, "_kernels", lambda: {k: partial(cuda_emu.emulate, k) for k in cuda_decode.KERNELS})
 
 
+@pytest.mark.clause("RET-SELECT", "RET-DECODE")
 @pytest.mark.parametrize("traditional,tables,dtype", [(True, True, mx.float32), (False, True, mx.float16),
                                                       (True, False, mx.bfloat16)])
 def test_decode_step_through_the_host_kernels_matches_the_portable_step(host_kernels, traditional, tables, dtype):
@@ -123,6 +126,7 @@ def test_decode_step_through_the_host_kernels_matches_the_portable_step(host_ker
     assert np.abs(o - r).max() <= ATTN_BOUND[dtype] * np.abs(r).max()
 
 
+@pytest.mark.clause("RET-SELECT", "RET-DECODE")
 def test_kept_counts_lose_exactly_the_coded_window(host_kernels):
     # The select kernel subtracts the sinks' and the coded window tail's codes from the kept counts. Crafted so
     # one count decides: b = the query position (EQ-12 rotates by nothing), code 0 = q and code 1 = -q, the top

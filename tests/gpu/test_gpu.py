@@ -33,6 +33,7 @@ def test_split_head_is_tf32_exact_and_head_plus_tail_is_the_value():
     assert np.all(np.abs(np.array(lo)) <= 2.0 ** -10 * np.abs(np.array(x)))
 
 
+@pytest.mark.clause("EQ-14", "RET-LUT")
 def test_mm_matches_float64_when_tf32_is_forced(monkeypatch):
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal((3, 40, 64)), rng.standard_normal((64, 50))
@@ -42,6 +43,7 @@ def test_mm_matches_float64_when_tf32_is_forced(monkeypatch):
     assert np.max(np.abs(got - exact)) <= 1e-5 * np.max(np.abs(exact))
 
 
+@pytest.mark.clause("EQ-14", "RET-LUT")
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend (MLX CUDA or Metal): TF32 exists only there")
 def test_clause_functions_stay_float32_in_a_tf32_process():
     code = (
@@ -68,6 +70,7 @@ def _rope_modules():
                                      "original_max_position_embeddings": 8192})
 
 
+@pytest.mark.clause("ROPE-INVERSE")
 @pytest.mark.parametrize("module", list(_rope_modules()), ids=["neox-base", "traditional-scaled", "llama3"])
 def test_applied_angles_undo_the_models_rotation_to_131072(module):
     # The de-rotation must undo what mx.fast.rope did on this device (SPEC: The angle the model applied).
@@ -79,6 +82,7 @@ def test_applied_angles_undo_the_models_rotation_to_131072(module):
     assert np.max(np.abs(np.array(back - x[:, 0, 0]))) < 1e-5
 
 
+@pytest.mark.clause("ROPE-INVERSE")
 @pytest.mark.parametrize("module", list(_rope_modules()), ids=["neox-base", "traditional-scaled", "llama3"])
 def test_applied_angles_of_a_run_of_positions(module):
     # The cache reads a run of positions back with one scalar-offset call (a sequence, as mlx-lm rotates it; on
@@ -93,6 +97,7 @@ def test_applied_angles_of_a_run_of_positions(module):
         rope.applied_cos_sin(range(0, 10, 2), 64, module.traditional, args)
 
 
+@pytest.mark.clause("CACHE-FAR-CODES")
 def test_cache_codes_use_the_models_angles():
     # A cache built with the model's rope arguments codes mx.fast.rope keys as their pre-RoPE selves.
     module = nn.RoPE(64, traditional=False, base=500000.0)
@@ -110,6 +115,7 @@ def test_cache_codes_use_the_models_angles():
     assert rebuilt.fast_rope == cache.fast_rope
 
 
+@pytest.mark.clause("CACHE-SAVE")
 def test_saved_cache_keeps_the_models_rope_call(tmp_path):
     # A loaded cache must keep undoing the model's own angles for the tokens it appends later.
     from a2ats_ref.files.cache import load_a2ats_cache, save_a2ats_cache
@@ -133,6 +139,7 @@ def test_empty_cache_positions_convert_to_numpy():
     assert np.array(p).shape == (0,)
 
 
+@pytest.mark.clause("EQ-17-STEP")
 def test_fixed_order_means_agree_with_scatter_and_repeat_bitwise():
     rng = np.random.default_rng(4)
     z = mx.array(rng.standard_normal((5000, 16)).astype(np.float32))
@@ -144,6 +151,7 @@ def test_fixed_order_means_agree_with_scatter_and_repeat_bitwise():
     assert np.max(np.abs(host[0] - scatter)) < 1e-5
 
 
+@pytest.mark.clause("EQ-17-STEP")
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU backend: the CPU's scatter-add is repeatable already")
 def test_kmeans_repeats_bitwise_on_the_gpu():
     z = mx.array(np.random.default_rng(5).standard_normal((20000, 32)).astype(np.float32))
@@ -188,6 +196,7 @@ def test_cuda_kernel_shapes_fit_the_block():
     assert not cuda_decode.shapes_supported(16, 256, 256)   # partials over the shared-memory budget
 
 
+@pytest.mark.clause("RET-SELECT", "RET-DECODE")
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend (the kernels are CUDA source)")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("T,n_q,n_kv,d,K,kept,S", [(5000, 32, 8, 128, 256, True, None), (70000, 9, 3, 64, 4096, True, None),
@@ -309,8 +318,8 @@ def _child_jit_cache(env):
 
 
 def test_every_suite_process_gets_a_jit_cache_of_its_own():
-    # MLX CUDA's JIT shares one PTX directory between processes and writes it unlocked: a worker loaded a kernel
-    # another was still writing (H200, 24c1996). This process (conftest) and a child that inherits its
+    # MLX CUDA's JIT shares one PTX directory between processes and writes it unlocked: a worker can load a kernel
+    # another is still writing. This process (conftest) and a child that inherits its
     # environment, as xdist and the conformance CLI's workers do, each get their own directory.
     from a2ats_conformance.harness.suite_env import OWNER
 
@@ -326,8 +335,8 @@ def test_every_suite_process_gets_a_jit_cache_of_its_own():
 
 
 def test_a_child_starts_with_the_modules_that_earlier_children_compiled(tmp_path):
-    # One directory per process made every conformance subprocess compile every kernel again (H200, 6326bfc: the
-    # test run went past 575 s). A child publishes its modules to the pool when it exits; the next one starts
+    # One directory per process would make every conformance subprocess compile every kernel again (minutes of
+    # a GPU test run). A child publishes its modules to the pool when it exits; the next one starts
     # with them, and a file MLX never reads (a .cu, a half-copied ".part-") does not travel. The children share a
     # pool of this test's own: on a GPU the run's pool holds real modules.
     from a2ats_conformance.harness.suite_env import POOL, POOL_OWNER

@@ -72,6 +72,7 @@ def test_every_oracle_function_docstring_opens_with_a_clause():
 
 # --------------------------------------------------------------------------- ROPE-*
 
+@pytest.mark.clause("ROPE-APPLY")
 @FAST
 @given(d2=st.integers(1, 6), trad=st.booleans(), m=st.integers(-50, 3000), seed=st.integers(0, 99))
 def test_rope_apply_matches_explicit_rotation_matrix(d2, trad, m, seed):
@@ -83,6 +84,7 @@ def test_rope_apply_matches_explicit_rotation_matrix(d2, trad, m, seed):
     np.testing.assert_allclose(R @ R.T, np.eye(2 * d2), atol=1e-12)
 
 
+@pytest.mark.clause("ROPE-APPLY")
 @FAST
 @given(trad=st.booleans(), i=st.integers(0, 5000), j=st.integers(0, 5000), seed=st.integers(0, 99))
 def test_rope_relative_identity(trad, i, j, seed):
@@ -93,6 +95,7 @@ def test_rope_relative_identity(trad, i, j, seed):
     assert abs(lhs - rhs) < 1e-9 * (1 + abs(lhs))
 
 
+@pytest.mark.clause("ROPE-APPLY", "ROPE-INVERSE")
 def test_rope_per_token_positions_and_inverse():
     om = o.rope_inv_freqs(16, 1e4)
     x = rng(1).normal(size=(2, 5, 16))
@@ -115,6 +118,7 @@ def _mlx_rope(x, module_or_none, offset, **fast_kw):
     return np.array(y, dtype=np.float64)
 
 
+@pytest.mark.clause("ROPE-APPLY")
 @pytest.mark.parametrize("trad", [True, False])
 @pytest.mark.parametrize("scaling", [None, {"type": "linear", "factor": 4.0}, {"rope_type": "linear", "factor": 0.5},
                                      {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -135,6 +139,7 @@ def test_rope_matches_mlx_lm_modules(trad, scaling):
         np.testing.assert_allclose(got, want, atol=2e-4 * (1 + offset / 100))
 
 
+@pytest.mark.clause("ROPE-FREQ")
 def test_rope_llama3_bands_hit_all_three_cases():
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -144,12 +149,14 @@ def test_rope_llama3_bands_hit_all_three_cases():
     assert np.any((ratio > 1 / 8 + 1e-9) & (ratio < 1 - 1e-9))
 
 
+@pytest.mark.clause("ROPE-FREQ")
 @pytest.mark.parametrize("kind", ["yarn", "longrope", "su", "dynamic", "proportional", "mrope", "bogus"])
 def test_rope_unsupported_types_raise(kind):
     with pytest.raises(ValueError, match="supported types: default, linear, llama3"):
         o.rope_inv_freqs(64, 1e4, {"rope_type": kind, "factor": 2.0})
 
 
+@pytest.mark.clause("ROPE-APPLY")
 def test_rope_matches_mx_fast_rope_direct():
     d = 8
     om = o.rope_inv_freqs(d, 1e4)
@@ -161,6 +168,7 @@ def test_rope_matches_mx_fast_rope_direct():
 
 # --------------------------------------------------------------------------- EQ-10 .. EQ-12
 
+@pytest.mark.clause("EQ-10")
 @pytest.mark.parametrize("n_q,n_kv", [(2, 2), (6, 2), (4, 1)])
 def test_query_moment_pools_groups_normalises_and_adds_ridge(n_q, n_kv):
     d, N, b = 8, 30, 2048
@@ -177,6 +185,7 @@ def test_query_moment_pools_groups_normalises_and_adds_ridge(n_q, n_kv):
         np.testing.assert_allclose(np.mean((H[g] - 1e-3 * np.eye(d)) ** 2), 1.0)
 
 
+@pytest.mark.clause("EQ-11")
 def test_wrope_window_boundary_and_far_side():
     d, w, b = 8, 4, 100
     om = o.rope_inv_freqs(d, 1e4)
@@ -200,6 +209,7 @@ def test_wrope_window_boundary_and_far_side():
     np.testing.assert_allclose(np.tril(ub), np.tril(dense), atol=1e-10)
 
 
+@pytest.mark.clause("ROPE-APPLY", "EQ-11")
 @FAST
 @given(trad=st.booleans(), w=st.integers(0, 6), b=st.integers(0, 5000), seed=st.integers(0, 999),
        pq=st.lists(st.integers(0, 3000), min_size=1, max_size=4), pk=st.lists(st.integers(0, 3000), min_size=1, max_size=5))
@@ -214,6 +224,7 @@ def test_wrope_matches_per_pair_definition(trad, w, b, seed, pq, pk):
             assert abs(u[a, c] - want) < 1e-9 * (1 + abs(want)), (i, j, w, b)
 
 
+@pytest.mark.clause("EQ-11")
 def test_wrope_positions_and_batch():
     d = 8
     om = o.rope_inv_freqs(d, 1e4)
@@ -224,6 +235,7 @@ def test_wrope_positions_and_batch():
     np.testing.assert_allclose(u[:, 0], full[:, 19], atol=1e-12)
 
 
+@pytest.mark.clause("EQ-12")
 def test_far_query_post_rope_equals_pre_rope():
     d = 16
     om = o.rope_inv_freqs(d, 1e5)
@@ -237,6 +249,7 @@ def test_far_query_post_rope_equals_pre_rope():
 
 # --------------------------------------------------------------------------- EQ-13 .. EQ-16, EQ-18
 
+@pytest.mark.clause("EQ-13")
 def test_score_error_equals_empirical_mean_over_queries():
     d, M = 8, 500
     Q = rng(10).normal(size=(M, d)) @ rng(11).normal(size=(d, d))
@@ -251,6 +264,7 @@ def _spd(d, seed):
     return A @ A.T / d + 0.1 * np.eye(d)
 
 
+@pytest.mark.clause("EQ-14", "EQ-16")
 @FAST
 @given(d2=st.integers(1, 4), K=st.integers(1, 12), seed=st.integers(0, 999))
 def test_z_space_identity_and_assign_equivalence(d2, K, seed):
@@ -274,6 +288,7 @@ def test_z_space_identity_and_assign_equivalence(d2, K, seed):
     np.testing.assert_allclose(o.z_transform(k, L), k @ L)
 
 
+@pytest.mark.clause("EQ-14")
 def test_identity_H_reduces_to_euclidean_nearest():
     C = rng(13).normal(size=(9, 4))
     k = rng(14).normal(size=(20, 4))
@@ -282,12 +297,14 @@ def test_identity_H_reduces_to_euclidean_nearest():
     np.testing.assert_array_equal(o.assign_z(k, C * math.sqrt(3), math.sqrt(3) * np.eye(4)), eu)
 
 
+@pytest.mark.clause("EQ-14")
 def test_assign_ties_go_to_lowest_index():
     C = np.array([[1.0, 0.0], [-1.0, 0.0], [1.0, 0.0]])
     assert o.assign(np.zeros(2), C, np.eye(2)) == 0
     assert o.assign(np.array([1.0, 0.0]), C, np.eye(2)) == 0
 
 
+@pytest.mark.clause("EQ-18")
 def test_back_transform_batched_matches_inverse():
     L = o.cholesky(np.stack([_spd(6, 1), _spd(6, 2)]))
     Cz = rng(15).normal(size=(2, 5, 6))
@@ -298,6 +315,7 @@ def test_back_transform_batched_matches_inverse():
 
 # --------------------------------------------------------------------------- EQ-17
 
+@pytest.mark.clause("EQ-17-INIT")
 def test_kmeanspp_inverse_cdf_by_hand():
     z = np.array([[0.0], [1.0], [3.0], [10.0]])
     # u0 = 0.5 -> index 2 (z=3). D2 = [9, 4, 0, 49], cumsum [9, 13, 13, 62].
@@ -311,6 +329,7 @@ def test_kmeanspp_inverse_cdf_by_hand():
     assert len(np.unique(C)) == 3
 
 
+@pytest.mark.clause("EQ-17-INIT")
 def test_kmeanspp_needs_distinct_points():
     with pytest.raises(ValueError, match="distinct"):
         o.kmeanspp_init(np.zeros((5, 2)), 2, np.array([0.1, 0.2]))
@@ -320,6 +339,7 @@ def test_kmeanspp_needs_distinct_points():
         o.kmeanspp_init(np.eye(3), 2, np.array([0.1, 1.0]))
 
 
+@pytest.mark.clause("EQ-17-STEP")
 def test_lloyd_empty_cluster_reseeded_with_largest_error_point():
     z = np.array([[0.0, 0.0], [0.1, 0.0], [5.0, 0.0], [5.2, 0.0], [9.0, 0.0]])
     C = np.array([[0.0, 0.0], [5.0, 0.0], [100.0, 100.0]])  # cluster 2 gets nobody
@@ -337,6 +357,7 @@ def test_lloyd_empty_cluster_reseeded_with_largest_error_point():
     np.testing.assert_allclose(C_new[3], [5.2, 0.0])   # next largest (3.8^2) among remaining eligible
 
 
+@pytest.mark.clause("EQ-17-FIT")
 @FAST
 @given(N=st.integers(6, 60), K=st.integers(1, 6), seed=st.integers(0, 999))
 def test_kmeans_objective_non_increasing_and_all_codewords_used(N, K, seed):
@@ -349,6 +370,7 @@ def test_kmeans_objective_non_increasing_and_all_codewords_used(N, K, seed):
     assert C.shape == (K, 3) and len(hist) <= 50
 
 
+@pytest.mark.clause("EQ-17-FIT")
 def test_kmeans_deterministic_and_stops():
     z = np.concatenate([rng(16).normal(size=(40, 2)) + c for c in ([0, 0], [10, 0], [0, 10])])
     a = o.kmeans(z, 3, seed=3)
@@ -361,6 +383,7 @@ def test_kmeans_deterministic_and_stops():
 
 # --------------------------------------------------------------------------- RET-*
 
+@pytest.mark.clause("RET-TOPK")
 def test_topk_count_rounding():
     assert o.topk_count(100, 0.03) == 3
     assert o.topk_count(100, 0.29) == 28          # 0.29 * 100 = 28.999999999999996 -> floor
@@ -390,6 +413,7 @@ def brute_select(scores, G, i, w, sinks, count):
     return mask
 
 
+@pytest.mark.clause("RET-SELECT")
 @FAST
 @given(n_kv=st.integers(1, 3), G=st.integers(1, 3), T=st.integers(1, 40), w=st.integers(0, 8),
        sinks=st.integers(0, 5), topk=st.one_of(st.floats(0.01, 1.0), st.integers(1, 10)), seed=st.integers(0, 999))
@@ -404,6 +428,7 @@ def test_select_tokens_matches_brute_force(n_kv, G, T, w, sinks, topk, seed):
     assert np.all(must <= mask) and np.all(mask <= may)
 
 
+@pytest.mark.clause("RET-SELECT")
 def test_select_tokens_edges():
     s = rng(17).normal(size=(4, 50))
     # w >= length: all selected; w = 0: current token becomes a candidate
@@ -427,6 +452,29 @@ def test_select_tokens_edges():
     assert 10 in np.flatnonzero(m[0]) and 12 not in np.flatnonzero(m[0]) and 12 in np.flatnonzero(m[1])
 
 
+@pytest.mark.clause("RET-SELECT")
+def test_head_counts_see_a_tie_taken_one_token_short():
+    """A tie at the k-th score: must ⊆ M ⊆ may holds for a selection one tied token short, the per-head count
+    does not; the exact top-k, a whole tie and the never-empty rule's own token all count right."""
+    s = np.array([[9.0, 5.0, 5.0, 5.0, 5.0, 1.0, 0.0, 0.0]])   # k = 3: one token above, a tie of 4 for 2 places
+    kw = dict(n_kv_heads=1, query_pos=7, w=0, sinks=0, topk=3)
+    exact = o.select_tokens(s, **kw)
+    short = exact.copy()
+    short[0, np.flatnonzero(exact[0])[-1]] = False
+    must, may = o.select_tokens_allowed(s, margin=0.0, **kw)
+    assert not (must & ~short).any() and not (short & ~may).any()           # the sets alone accept it
+    held = lambda m: o.select_tokens_head_counts(m, s, margin=0.0, **kw)      # noqa: E731
+    assert held(exact)[0].tolist() == [3] and held(exact)[2] == 3
+    assert held(short)[0].tolist() == [2]
+    assert held(may)[0].tolist() == [5] and held(may)[1].tolist() == [5]      # the whole tie: 5 held, 5 taken
+    own = o.select_tokens(s, n_kv_heads=1, query_pos=7, w=0, sinks=0, topk=0.01)   # count 0: only j = 7
+    assert o.select_tokens_head_counts(own, s, n_kv_heads=1, query_pos=7, w=0, sinks=0, topk=0.01,
+                                       margin=0.0)[1:] == (np.array([0]), 0)
+    with pytest.raises(ValueError, match="mask"):
+        o.select_tokens_head_counts(exact.astype(int), s, margin=0.0, **kw)
+
+
+@pytest.mark.clause("RET-TOPK")
 def test_topk_allowed_and_argmin_allowed():
     s = np.array([5.0, 3.0, 3.0, 1.0])
     must, may = o.topk_allowed(s, 2, 0.0)
@@ -445,6 +493,7 @@ def dense_softmax_attention(q, k, v, scale):
     return (p / p.sum()) @ v
 
 
+@pytest.mark.clause("RET-ATTN")
 @pytest.mark.parametrize("n_q,n_kv", [(3, 3), (6, 2), (4, 1)])
 def test_retrieval_attention_full_mask_is_dense_softmax(n_q, n_kv):
     d, T, dv = 8, 17, 5
@@ -464,6 +513,7 @@ def test_retrieval_attention_full_mask_is_dense_softmax(n_q, n_kv):
                                    atol=1e-12)
 
 
+@pytest.mark.clause("PREFILL")
 def test_prefill_is_end_aligned_causal():
     d, Tq, Tk = 4, 3, 7
     r = rng(19)
@@ -475,6 +525,7 @@ def test_prefill_is_end_aligned_causal():
             np.testing.assert_allclose(out[h, t], dense_softmax_attention(q[h, t], k[0, :n], v[0, :n], 0.5), atol=1e-12)
 
 
+@pytest.mark.clause("RET-DECODE", "CACHE-DENSE-EQUIV")
 def test_decode_step_pipeline_and_dense_equivalence():
     d, n_q, n_kv, T, K = 8, 4, 2, 40, 6
     om = o.rope_inv_freqs(d, 1e4)
@@ -496,6 +547,7 @@ def test_decode_step_pipeline_and_dense_equivalence():
     np.testing.assert_allclose(full, o.prefill_attention(q_post[:, None], k_post, v)[:, 0], atol=1e-12)
 
 
+@pytest.mark.clause("RET-LUT")
 def test_lut_and_token_scores_by_hand():
     q_b = rng(21).normal(size=(4, 6))
     C = rng(22).normal(size=(2, 5, 6))
@@ -510,6 +562,7 @@ def test_lut_and_token_scores_by_hand():
             assert s[h, t] == lut[h, codes[h // 2, t]]
 
 
+@pytest.mark.clause("CODES-DTYPE")
 def test_code_dtype():
     assert o.code_dtype(1) == np.uint8 and o.code_dtype(256) == np.uint8
     assert o.code_dtype(257) == np.uint16 and o.code_dtype(4096) == np.uint16 and o.code_dtype(65536) == np.uint16
@@ -555,6 +608,7 @@ OM8 = o.rope_inv_freqs(8, 1e4)
     (lambda: o.code_dtype(0), "K"),
     (lambda: o.rope_inv_freqs(8, 1e4, {"type": "linear"}), "factor"),
 ])
+@pytest.mark.clause("INPUT-ERRORS")
 def test_bad_input_raises_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -608,6 +662,7 @@ def test_oracle_cache_is_built_from_the_clause_functions():
     assert c.trim(99) == 5 and c.offset == 0 and c.codes().shape == (2, 0)
 
 
+@pytest.mark.clause("CACHE-SAVE")
 def test_oracle_cache_save_load_copy_and_errors(tmp_path):
     cfg = _cache_config(3)
     r = rng(4)
@@ -631,6 +686,7 @@ def test_oracle_cache_save_load_copy_and_errors(tmp_path):
         o.OracleCache(cfg).decode(np.zeros((4, 8)))
 
 
+@pytest.mark.clause("CACHE-BATCH")
 def test_oracle_cache_batch_rows_equal_batch_one_caches():
     cfg = _cache_config(5, batch=3)
     r = rng(6)

@@ -79,6 +79,7 @@ ROPE_SCALINGS = [
 ]
 
 
+@pytest.mark.clause("ROPE-FREQ")
 @pytest.mark.parametrize("scaling", ROPE_SCALINGS, ids=["default", "linear", "llama3"])
 def test_rope_inv_freqs(scaling):
     got = rope_inv_freqs(64, 500000.0, scaling)
@@ -86,12 +87,14 @@ def test_rope_inv_freqs(scaling):
     assert_close(got, O.rope_inv_freqs(64, 500000.0, scaling), "float32", "ROPE-FREQ")
 
 
+@pytest.mark.clause("ROPE-FREQ")
 @pytest.mark.parametrize("kind", ["yarn", "longrope", "dynamic", "su", "mrope"])
 def test_rope_inv_freqs_rejects_unsupported(kind):
     with pytest.raises(ValueError, match="supported types: default, linear, llama3"):
         rope_inv_freqs(64, 1e4, {"type": kind, "factor": 2.0})
 
 
+@pytest.mark.clause("ROPE-APPLY", "ROPE-INVERSE")
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_rope_apply_invert(traditional, dtype):
@@ -108,6 +111,7 @@ def test_rope_apply_invert(traditional, dtype):
                  O.rope_invert(xo, pos, f64(inv), traditional=traditional), dtype, "ROPE-INVERSE")
 
 
+@pytest.mark.clause("ROPE-APPLY", "ROPE-INVERSE")
 @pytest.mark.parametrize("scaling", ROPE_SCALINGS, ids=["default", "linear", "llama3"])
 @pytest.mark.parametrize("traditional", [False, True])
 def test_rope_matches_mlx_lm_and_inverts_it(scaling, traditional):
@@ -134,6 +138,7 @@ def test_rope_matches_mlx_lm_and_inverts_it(scaling, traditional):
     assert np.max(np.abs(np.array(block - x))) > 1e-2
 
 
+@pytest.mark.clause("ROPE-FREQ")
 def test_rope_params_from_module_rejects():
     from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE, SuScaledRoPE, YarnRoPE
 
@@ -146,6 +151,7 @@ def test_rope_params_from_module_rejects():
 
 # ---------------------------------------------------------------- EQ-10 .. EQ-13
 
+@pytest.mark.clause("EQ-10")
 @pytest.mark.parametrize("n_q,n_kv", [(3, 3), (6, 2)])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_query_moment(n_q, n_kv, dtype):
@@ -156,6 +162,7 @@ def test_query_moment(n_q, n_kv, dtype):
     assert_close(H, O.query_moment(qo, n_kv_heads=n_kv, b=2048, inv_freqs=f64(inv), traditional=True), dtype, "EQ-10")
 
 
+@pytest.mark.clause("EQ-11")
 @pytest.mark.parametrize("w", [0, 3, 50])
 @pytest.mark.parametrize("Tq,Tk", [(1, 1), (4, 9)])
 def test_wrope_scores(w, Tq, Tk):
@@ -171,6 +178,7 @@ def test_wrope_scores(w, Tq, Tk):
         assert_close(got, f64(plain), "float32", "EQ-11", "w >= length")
 
 
+@pytest.mark.clause("EQ-12")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_far_keys_and_query(dtype):
     inv = rope_inv_freqs(16, 1e4)
@@ -185,6 +193,7 @@ def test_far_keys_and_query(dtype):
                  O.far_query(qo, b=2048, inv_freqs=f64(inv), traditional=True, positions=3000), dtype, "EQ-12")
 
 
+@pytest.mark.clause("EQ-13")
 def test_score_error():
     H = spd(16, 9)
     k, ko = inp(rng(10).standard_normal((3, 4, 16)))
@@ -206,6 +215,7 @@ def _codes_allowed(codes, dist, dtype, clause):
     assert ok.all(), f"{clause}: {int((~ok).sum())} codes are not an allowed argmin (margin {margin:.3g})"
 
 
+@pytest.mark.clause("EQ-14", "EQ-16")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_assign_and_assign_z(dtype):
     d, K = 16, 300  # K > 256: uint16 codes
@@ -224,6 +234,7 @@ def test_assign_and_assign_z(dtype):
     assert_close(z_transform(k, Lmx), O.z_transform(ko, f64(Lmx)), dtype, "EQ-16")
 
 
+@pytest.mark.clause("EQ-14")
 def test_assign_identity_is_plain_nearest_and_batched_heads():
     d = 8
     k = rng(15).standard_normal((3, 20, d)).astype(np.float32)
@@ -235,6 +246,7 @@ def test_assign_identity_is_plain_nearest_and_batched_heads():
         _codes_allowed(got[h], dist, "float32", "EQ-14")
 
 
+@pytest.mark.clause("EQ-14")
 def test_nearest_rows_blocks_and_head_halves(monkeypatch):
     """The cache's assignment kernel (EQ-16) over a batch axis, 3 KV heads (halves of 1 and 2 pipelined) and
     row blocks (BLOCK_BYTES shrunk to force 3 blocks of 7 rows) gives allowed argmins on every row; and a
@@ -259,6 +271,7 @@ def test_nearest_rows_blocks_and_head_halves(monkeypatch):
         _codes_allowed(codes[:, h], dist, "float32", "EQ-16")
 
 
+@pytest.mark.clause("EQ-15", "EQ-18")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_cholesky_and_back_transform(dtype):
     H, Ho = inp(spd(16, 17, n=3), dtype)
@@ -269,6 +282,7 @@ def test_cholesky_and_back_transform(dtype):
     assert_close(back_transform(Cz, L), O.back_transform(Czo, f64(L)), dtype, "EQ-18")
 
 
+@pytest.mark.clause("EQ-15")
 def test_cholesky_reports_failing_index():
     H = np.stack([np.eye(4), np.eye(4), -np.eye(4)]).astype(np.float32)
     with pytest.raises(ValueError, match=r"matrix \(2,\)"):
@@ -285,12 +299,14 @@ def _blobs(N, d, n_blobs, seed, spread=0.05):
     return (centres[r.integers(0, n_blobs, N)] + spread * r.standard_normal((N, d))).astype(np.float32)
 
 
+@pytest.mark.clause("EQ-17-INIT")
 def test_kmeanspp_init():
     z = _blobs(200, 8, 12, 19)
     u = rng(20).random(12)
     assert_close(kmeanspp_init(z, 12, u), O.kmeanspp_init(z, 12, u), "float32", "EQ-17-INIT")
 
 
+@pytest.mark.clause("EQ-17-STEP")
 def test_lloyd_step_with_empty_clusters():
     z = rng(21).standard_normal((120, 6)).astype(np.float32)
     C = z[:10].copy()
@@ -306,6 +322,7 @@ def test_lloyd_step_with_empty_clusters():
     assert len(np.unique(np.array(lloyd_step(z, Cn)[1]))) == 10
 
 
+@pytest.mark.clause("EQ-17-FIT")
 @pytest.mark.parametrize("N,K,spread", [(400, 16, 0.3), (3000, 64, 1.0)])
 def test_kmeans_fit_matches_oracle(N, K, spread):
     # The fit prunes rows with Hamerly bounds near convergence; it must still follow the oracle's steps.
@@ -318,6 +335,7 @@ def test_kmeans_fit_matches_oracle(N, K, spread):
     _codes_allowed(codes, O.assign_z_distances(z, Co, np.eye(8)), "float32", "EQ-17-FIT")
 
 
+@pytest.mark.clause("EQ-17-FIT")
 def test_kmeans_fit_is_deterministic():
     z = _blobs(400, 8, 16, 22, spread=0.3)
     C, codes, hist = kmeans(z, 16, seed=7)
@@ -336,6 +354,7 @@ def test_kmeans_fit_is_deterministic():
 
 # ---------------------------------------------------------------- RET-*
 
+@pytest.mark.clause("RET-LUT")
 @pytest.mark.parametrize("n_q,n_kv", [(2, 2), (6, 2)])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_lut_and_token_scores(n_q, n_kv, dtype):
@@ -348,6 +367,7 @@ def test_lut_and_token_scores(n_q, n_kv, dtype):
     assert_close(token_scores(lut, codes), O.token_scores(f64(lut), codes), "float32", "RET-LUT")
 
 
+@pytest.mark.clause("RET-TOPK")
 def test_topk_count():
     for T, topk, n in [(100, 0.03, None), (10, 0.03, None), (100, 1.0, None), (100, 5, None), (100, 50, 20), (7, 1, 0)]:
         assert topk_count(T, topk, n) == O.topk_count(T, topk, n), (T, topk, n)
@@ -370,6 +390,7 @@ SELECT_CASES = [  # (T, query_pos, w, sinks, topk)
 ]
 
 
+@pytest.mark.clause("RET-SELECT")
 @pytest.mark.parametrize("T,i,w,sinks,topk", SELECT_CASES)
 @pytest.mark.parametrize("n_q,n_kv", [(2, 2), (6, 2)])
 def test_select_tokens(T, i, w, sinks, topk, n_q, n_kv):
@@ -379,6 +400,7 @@ def test_select_tokens(T, i, w, sinks, topk, n_q, n_kv):
                 "float32", **kw)
 
 
+@pytest.mark.clause("RET-SELECT")
 def test_select_tokens_ties_use_allowed_sets():
     scores = np.zeros((1, 2, 20), np.float32)  # all tied: any 3 candidates are valid
     kw = dict(n_kv_heads=1, query_pos=19, w=2, sinks=1, topk=3)
@@ -387,6 +409,7 @@ def test_select_tokens_ties_use_allowed_sets():
     assert 1 + 2 + 3 <= m.sum() <= 1 + 2 + 6
 
 
+@pytest.mark.clause("RET-ATTN")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_retrieval_attention(dtype):
     q, qo = inp(rng(27).standard_normal((2, 6, 16)), dtype)
@@ -411,6 +434,7 @@ def _decode_inputs(dtype, T=80, n_q=6, n_kv=2, d=16, K=24, seed=31):
     return q, k, v, codes, C, inv
 
 
+@pytest.mark.clause("RET-DECODE")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("w,sinks,topk", [(8, 4, 0.1), (0, 0, 3), (100, 4, 0.5)])
 def test_decode_step(dtype, w, sinks, topk):
@@ -434,6 +458,7 @@ def test_decode_step(dtype, w, sinks, topk):
     assert_close(g[:, :, 0, :], O.retrieval_attention(qo, ko, vo, np.array(m2)), dtype, "RET-DECODE", "fast path")
 
 
+@pytest.mark.clause("PREFILL")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("Tq,Tk", [(1, 1), (5, 9)])
 def test_prefill_attention(dtype, Tq, Tk):
@@ -445,6 +470,7 @@ def test_prefill_attention(dtype, Tq, Tk):
     assert_close(out, O.prefill_attention(qo, ko, vo), dtype, "PREFILL")
 
 
+@pytest.mark.clause("CODES-DTYPE")
 def test_code_dtype():
     for K in (1, 256, 257, 4096, 65536):
         assert code_dtype(K) == O.code_dtype(K)
@@ -488,6 +514,7 @@ ERROR_CASES = [
 ]
 
 
+@pytest.mark.clause("INPUT-ERRORS")
 @pytest.mark.parametrize("name,call,match", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
 def test_input_errors(name, call, match):
     with pytest.raises(ValueError, match=None) as info:

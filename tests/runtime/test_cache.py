@@ -32,6 +32,7 @@ def _close(a, b, clause, what):
 # ---------------------------------------------------------------- CACHE-DENSE-EQUIV
 
 
+@pytest.mark.clause("CACHE-DENSE-EQUIV")
 @pytest.mark.parametrize("cfg", [dict(w=4, sinks=2, topk=1.0), dict(w=64, sinks=0, topk=1)], ids=["topk-all", "w>=T"])
 def test_dense_equivalence_when_everything_is_selected(model, cfg):
     toks = tokens(48)
@@ -40,6 +41,7 @@ def test_dense_equivalence_when_everything_is_selected(model, cfg):
     _close(ours, ref, "CACHE-DENSE", f"A2ATS {cfg} vs mlx-lm KVCache")
 
 
+@pytest.mark.clause("CACHE-DECODE")
 def test_selection_changes_output_when_topk_is_small(model):
     toks = tokens(48)
     ours = run(model, toks, a2ats_caches(model, w=4, sinks=2, topk=1), prefill=20)
@@ -48,6 +50,7 @@ def test_selection_changes_output_when_topk_is_small(model):
     assert max(np.abs(x - y).max() for x, y in zip(ours[1:], ref[1:])) > 1e-3, "decode never used retrieval"
 
 
+@pytest.mark.clause("PREFILL")
 def test_host_prefill_is_dense_attention(model, monkeypatch, on_cpu):
     """PREFILL through the host kernel (prefill.causal_attention_host; forced here with HOST_PREFILL_MIN = 1):
     one-shot and chunked prefill (queries end-aligned to the keys) equal mlx-lm's KVCache path. The kernel
@@ -78,6 +81,7 @@ def test_no_bits_attribute():
 # ---------------------------------------------------------------- CACHE-TRIM
 
 
+@pytest.mark.clause("CACHE-TRIM")
 def test_trim_rollback_then_reappend_is_identical(model):
     toks = tokens(40, seed=3)
     cfg = dict(w=4, sinks=2, topk=2)
@@ -97,6 +101,7 @@ def test_trim_rollback_then_reappend_is_identical(model):
         np.testing.assert_array_equal(np.array(c.codes_view()), want, err_msg="CACHE-TRIM: codes after re-append")
 
 
+@pytest.mark.clause("CACHE-TRIM")
 def test_trim_more_than_offset_clamps():
     model = enable_a2ats(tiny_llama())
     cache = a2ats_caches(model)
@@ -104,6 +109,7 @@ def test_trim_more_than_offset_clamps():
     assert cache[0].trim(99) == 5 and cache[0].offset == 0
 
 
+@pytest.mark.clause("CACHE-TRIM")
 def test_speculative_multi_token_verify_then_trim(model):
     # mlx-lm's speculative path: verify several tokens at once (dense), trim the rejected ones, continue.
     toks = tokens(36, seed=4)
@@ -122,6 +128,7 @@ def test_speculative_multi_token_verify_then_trim(model):
 # ---------------------------------------------------------------- CACHE-CHUNK
 
 
+@pytest.mark.clause("CACHE-CHUNK")
 def test_chunked_prefill_equals_one_shot(model):
     toks = tokens(60, seed=5)
     cfg = dict(w=4, sinks=2, topk=3)
@@ -140,6 +147,7 @@ def test_chunked_prefill_equals_one_shot(model):
 # ---------------------------------------------------------------- CACHE-DECODE vs the oracle
 
 
+@pytest.mark.clause("RET-DECODE")
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("topk", [0.2, 3])
 def test_decode_matches_oracle(traditional, topk):
@@ -186,6 +194,7 @@ def test_decode_matches_oracle(traditional, topk):
 # ---------------------------------------------------------------- CACHE-FAR-CODES
 
 
+@pytest.mark.clause("CACHE-FAR-CODES")
 @pytest.mark.parametrize("traditional", [False, True])
 def test_codes_are_position_free_and_match_oracle_assignment(traditional):
     from a2ats_ref.rope import rope_apply, rope_inv_freqs
@@ -210,6 +219,7 @@ def test_codes_are_position_free_and_match_oracle_assignment(traditional):
         assert ok.all(), f"CACHE-FAR-CODES: shift {shift}: codes {codes[~ok]} not nearest (EQ-16) for their pre-RoPE keys"
 
 
+@pytest.mark.clause("CODES-DTYPE")
 def test_codes_dtype_is_smallest_unsigned():
     model = enable_a2ats(tiny_llama())
     for K, dt in ((64, mx.uint8), (300, mx.uint16)):
@@ -221,6 +231,7 @@ def test_codes_dtype_is_smallest_unsigned():
 # ---------------------------------------------------------------- batches
 
 
+@pytest.mark.clause("RET-SELECT")
 def test_batch_rows_select_independently(model):
     toks = tokens(40, seed=8, batch=2)
     cfg = dict(w=4, sinks=2, topk=2)

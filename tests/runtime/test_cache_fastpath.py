@@ -32,6 +32,7 @@ def _seeded_cache(lc, inv, traditional, T, rng, cfg=None):
     return cache
 
 
+@pytest.mark.clause("CACHE-FAR-CODES")
 @pytest.mark.parametrize("traditional", [False, True])
 def test_appended_codes_match_clause_functions(traditional):
     rng = np.random.default_rng(0)
@@ -77,6 +78,7 @@ def _check_decode(cache, q, scale, traditional):
     return out
 
 
+@pytest.mark.clause("RET-DECODE")
 @pytest.mark.parametrize("method", ["auto", "sortfree"])
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("topk", [0.1, 3, 1.0])
@@ -92,6 +94,7 @@ def test_decode_matches_retrieval_clause_functions(traditional, topk, method):
     _check_decode(cache, q, 0.3, traditional)
 
 
+@pytest.mark.clause("RET-DECODE")
 @pytest.mark.parametrize("method", ["auto", "sortfree"])
 @pytest.mark.parametrize("traditional", [False, True])
 def test_decode_reads_only_the_valid_prefix_of_the_buffer(traditional, method):
@@ -113,6 +116,7 @@ def test_decode_reads_only_the_valid_prefix_of_the_buffer(traditional, method):
     assert cache.last_selection is None
 
 
+@pytest.mark.clause("CACHE-FAR-CODES")
 def test_codes_are_assigned_in_batches_when_tokens_leave_the_window(monkeypatch):
     """Deferred code assignment: token-by-token generation assigns codes once per ~w tokens (one batch),
     every decode still scores far tokens with their true codes (the oracle's allowed sets, from codes
@@ -157,6 +161,7 @@ def _counts_ok(cache):
     return np.array_equal(cache._counts, want) and np.array_equal(np.array(cache._counts_array()), want)
 
 
+@pytest.mark.clause("CACHE-TRIM", "CACHE-SAVE")
 def test_code_counts_follow_coding_trim_and_load(monkeypatch, tmp_path):
     """Per-code counts (what the sort-free step walks instead of sorting T tokens) stay the counts of the
     coded tokens through deferred batch coding, decodes, trims into coded and pending tokens, and a

@@ -21,6 +21,7 @@ def setup():
     return model, cb
 
 
+@pytest.mark.clause("CACHE-SAVE")
 def test_save_load_gives_identical_future_outputs(tmp_path, setup):
     model, cb = setup
     toks = tokens(40, seed=2)
@@ -40,6 +41,7 @@ def test_save_load_gives_identical_future_outputs(tmp_path, setup):
         np.testing.assert_array_equal(x, y, err_msg=f"CACHE-SAVE: step {t} differs after load")
 
 
+@pytest.mark.clause("CACHE-SAVE")
 def test_empty_cache_round_trips(tmp_path, setup):
     model, cb = setup
     path = tmp_path / "e.safetensors"
@@ -104,12 +106,22 @@ def test_rejects_tampered_metadata_and_codes(tmp_path, setup):
         load_a2ats_cache(p3, cb)
 
 
-def test_mlx_lm_load_prompt_cache_cannot_rebuild_it(tmp_path, setup):
-    # Documented limitation: mlx-lm looks cache classes up in its own module.
+def test_mlx_lm_save_prompt_cache_refuses_and_names_save_a2ats_cache(tmp_path, setup):
+    # mlx-lm's save would write a file its load_prompt_cache cannot read (KeyError: 'A2ATSCache'): refused first.
     model, cb = setup
     cache = a2ats_caches(model, codebook=cb)
     model(tokens(4), cache=cache)
     path = tmp_path / "p.safetensors"
-    save_prompt_cache(str(path), cache)
-    with pytest.raises(KeyError):
-        load_prompt_cache(str(path))
+    with pytest.raises(ValueError, match="save_a2ats_cache"):
+        save_prompt_cache(str(path), cache)
+    assert not path.exists()
+    batch = [cache[0].merge([c]) for c in cache]   # the batch cache of mlx-lm's batch generation, too
+    with pytest.raises(ValueError, match="save_a2ats_cache"):
+        save_prompt_cache(str(path), batch)
+    assert not path.exists()
+    save_a2ats_cache(path, cache)   # the supported way round-trips
+    assert load_a2ats_cache(path, cb)[0].offset == 4
+    kv = kv_caches(model)   # mlx-lm's own caches are not affected
+    model(tokens(4), cache=kv)
+    save_prompt_cache(str(tmp_path / "kv.safetensors"), kv)
+    assert load_prompt_cache(str(tmp_path / "kv.safetensors"))[0].offset == 4

@@ -47,6 +47,7 @@ def test_generate_and_stream_generate(tokenizer, models):
     assert cache[0].last_selection is not None, "decode never went through A2ATS"
 
 
+@pytest.mark.clause("CACHE-DENSE-EQUIV")
 def test_generate_step_greedy_matches_dense_when_everything_selected(models):
     model, _ = models
     prompt = tokens(30, seed=3)[0]
@@ -55,6 +56,7 @@ def test_generate_step_greedy_matches_dense_when_everything_selected(models):
     assert a == b
 
 
+@pytest.mark.clause("CACHE-TRIM")
 @pytest.mark.parametrize("draft_a2ats", [True, False], ids=["draft-a2ats", "draft-kvcache"])
 def test_speculative_decoding_with_trim(tokenizer, models, draft_a2ats):
     model, draft = models

@@ -102,7 +102,7 @@ def _sigint(disposition):
 def test_ctrl_c_writes_reports_and_no_unearned_pass(tmp_path, sig, sigint):
     # The CLI starts with SIGINT at its default (a terminal's Ctrl-C) or ignored (nohup, a background job, some CI
     # runners, which then stop a job by SIGTERM): either way the supervised child must stop, and the run must read
-    # interrupted. With SIGINT ignored and inherited, the child used to finish and the run read complete.
+    # interrupted. With SIGINT ignored and inherited, a child that is not stopped finishes and the run reads complete.
     marker = tmp_path / "started"
     js, md = tmp_path / "r.json", tmp_path / "r.md"
     env = dict(os.environ, PYTHONPATH=str(ROOT), A2ATS_TEST_MARKER=str(marker))

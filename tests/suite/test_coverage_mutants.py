@@ -1,10 +1,8 @@
-"""Issue 9, item 7: each coverage property kills the mutant it was written for, on its clause.
+"""Each coverage property kills the mutant it was written for, on its clause.
 
-The mutants (a2ats_conformance.mutants.COVERAGE_MUTANTS) are bugs the suite of commit 1cf8c61 never reached:
-each passed all 28 of that suite's clauses at the ci profile, seeds 0 and 1, run from a worktree of 1cf8c61
-(with its own install) on a copy of this mutants.py whose relative import is made absolute:
-    PYTHONPATH=<copy dir> a2ats-conformance --iut cov_mutants:<Mutant> --profile ci -n 2 --seed <0|1>
-Here the current suite must reject each one, and its diagnosis must name the mutant's own deviation.
+The mutants (a2ats_conformance.mutants.COVERAGE_MUTANTS) are bugs in paths a suite can leave unreached (float16
+LUTs, batch rows, long positions, the host path's heads, chunked prefill). The suite must reject each one, and its
+diagnosis must name the mutant's own deviation.
 """
 
 

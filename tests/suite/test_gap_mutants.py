@@ -1,8 +1,8 @@
 """Each gap mutant (a2ats_conformance.mutants.GAP_MUTANTS) is rejected on its clause, by the property written
 for it, and where it embodies a known deviation the failure names it.
 
-The gap mutants are bugs that the suite of commit 4fc9dfb passed at the ci profile with every clause run
-(session 8's audit)."""
+The gap mutants are bugs a port writer makes that pass a suite drawing only the easy cases, with every clause
+run."""
 
 
 import pytest

@@ -59,11 +59,11 @@ ATTEND_THREADS = WARPS * 32
 CHUNK_MAX = 2048
 #: attend blocks per step that chunk_for aims at: ~8 per SM of a 132-SM H200, enough to hide the gathers' latency
 TARGET_BLOCKS = 1024
-#: the head sizes the kernels are taken for: the ones they ran correctly on the H200 (gate and tests/gpu/test_gpu.py,
-#: 8be5c36). kernels_fit admits d = 8..256, and the host emulator (tests/gpu/test_cuda_emu.py) runs d = 8 and 256
-#: correctly, but in the full GPU test run at 24c1996 a d = 8 self-check failed to load its kernel and the process
-#: then hit an illegal-address error (most likely MLX's shared JIT cache: conformance/harness/suite_env.py). Until a GPU
-#: run shows them clean, other head sizes take the portable step
+#: the head sizes the kernels are taken for: the ones shown to run correctly on an H200 (gate and
+#: tests/gpu/test_gpu.py). kernels_fit admits d = 8..256, and the host emulator (tests/gpu/test_cuda_emu.py) runs
+#: d = 8 and 256 correctly, but a d = 8 self-check on the GPU can fail to load its kernel and leave the process at an
+#: illegal-address error (most likely MLX's shared JIT cache: conformance/harness/suite_env.py). Other head sizes
+#: take the portable step until a GPU run shows them clean
 RUN_HEAD_DIMS = (32, 64, 128)
 #: static shared memory a kernel may use (CUDA's limit without opt-in is 48 KB)
 _SHARED_LIMIT = 46 * 1024

@@ -46,6 +46,7 @@ Three selection methods (``method=``): "host" (NumPy, exact top-k with the oracl
 from __future__ import annotations
 
 import math
+import threading
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -83,7 +84,7 @@ def tune_allocator() -> bool:
 
     Process-wide and idempotent; returns True when the thresholds are set, False where glibc's mallopt is
     unavailable. ``enable_a2ats`` calls it (unless ``A2ATS_TUNE_ALLOCATOR=0`` or ``tune_allocator=False``),
-    so library users get what the benchmark measures. The decode step itself no longer needs it for its
+    so library users get what the benchmark measures. The decode step itself does not need it for its
     gathers (they come in GATHER_BLOCK_BYTES blocks from MLX's buffer cache); it still spares the model's
     own large per-token buffers (logits, MLP activations) the map/unmap cycle on a loaded machine. The cost:
     freed memory below 1 GiB stays in the process's heap instead of going back to the OS at once.
@@ -386,6 +387,7 @@ def _gather_blocks(S: int, BH: int, d: int, n_lanes: int = 1) -> list[tuple[int,
 
 
 _LANES: dict = {}
+_THREAD = threading.local()   # a key per thread: MLX streams belong to the thread that made them
 
 
 def _lanes() -> tuple:
@@ -396,7 +398,7 @@ def _lanes() -> tuple:
     one stream (its ops are parallel already).
     """
     dev = mx.default_device()
-    key = str(dev)
+    key = (str(dev), _THREAD.__dict__.setdefault("key", object()))
     if key not in _LANES:
         first = mx.default_stream(dev)
         _LANES[key] = (first, mx.new_stream(dev)) if dev.type == mx.cpu else (first,)

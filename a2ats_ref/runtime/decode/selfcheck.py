@@ -110,8 +110,8 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
 
 #: the self-check's bound on the attention's relative difference from the portable step, per value dtype: both
 #: outputs are rounded to that dtype, so bfloat16 (8 significant bits, an ulp of 2^-8 = 3.9e-3 relative at the
-#: top of a binade) needs a wider bound than float16/float32; the H200's bfloat16 check at d2a0105..f821255 differed
-#: by 3.2e-3 and fell back to the portable step for want of one ulp
+#: top of a binade) needs a wider bound than float16/float32; an H200's bfloat16 check differs by up to 3.2e-3,
+#: and a tighter bound sends it to the portable step for want of one ulp
 SELF_CHECK_ATTN_REL = {"float32": 2e-3, "float16": 2e-3, "bfloat16": 1e-2}
 
 

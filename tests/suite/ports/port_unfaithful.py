@@ -1,5 +1,5 @@
-"""Unfaithful ports: the independent NumPy port with exactly one known bug each (issue 9, "Unfaithful ports
-are named").
+"""Unfaithful ports: the independent NumPy port with exactly one known bug each, so that the diagnosis can be
+shown to name each bug.
 
 Each class is a port a real author could write: the NumPy port (conformance/examples/numpy_port.py) with one
 callable (and, where the bug lives there, its cache) replaced. They are written here, independently of the
@@ -159,7 +159,7 @@ class TopkOverT(_OneBug):
             return P.select_tokens(s, topk=k, **kw)
         if forced.any():                                      # no candidate at all: sinks and window only
             return P.select_tokens(s, topk=1, **kw) & forced
-        return P.select_tokens(s, topk=1, **kw) & (np.arange(T) == query_pos)   # never empty: own token
+        return np.zeros_like(P.select_tokens(s, topk=1, **kw)) | (np.arange(T) == query_pos)   # never empty: own token
 
 
 # ----------------------------------------------------------------------------- decode
