@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import threading
 import warnings
 import weakref
 from dataclasses import asdict, dataclass
@@ -285,8 +286,9 @@ def assign_codes(k_post: mx.array, positions: mx.array, codebook: LayerCodebook,
 
 # --------------------------------------------------------------------------- the cache
 
-#: (position, d, traditional, rope) -> (cos, sin) of the query angle, shared by the layers (A2ATSCache._query_angle)
-_QUERY_ANGLES: dict = {}
+#: per thread, (position, d, traditional, rope) -> (cos, sin) of the query angle, shared by the layers
+#: (A2ATSCache._query_angle); per thread, because a lazy array made in one thread fails in another
+_QUERY_ANGLES = threading.local()
 
 
 class A2ATSCache(_BaseCache):
@@ -575,12 +577,13 @@ class A2ATSCache(_BaseCache):
         # freqs by identity: the entry keeps the array alive, so its id cannot name another array meanwhile
         rope = ("freqs", id(fr["freqs"])) if "freqs" in fr else (fr["base"], fr["scale"])
         key = (pos, d, self.traditional, rope, str(mx.default_device()))
-        if key not in _QUERY_ANGLES:
-            if next(iter(_QUERY_ANGLES), (None,))[0] != pos:
-                _QUERY_ANGLES.clear()   # only the current position's tables are kept
+        angles = _QUERY_ANGLES.__dict__
+        if key not in angles:
+            if next(iter(angles), (None,))[0] != pos:
+                angles.clear()   # only the current position's tables are kept
             c, s = applied_cos_sin(mx.array([pos]), d, self.traditional, fr)
-            _QUERY_ANGLES[key] = (c[0], s[0], fr)
-        return _QUERY_ANGLES[key][:2]
+            angles[key] = (c[0], s[0], fr)
+        return angles[key][:2]
 
     @property
     def last_selection(self) -> Optional[mx.array]:

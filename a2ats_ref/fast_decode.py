@@ -46,6 +46,7 @@ Three selection methods (``method=``): "host" (NumPy, exact top-k with the oracl
 from __future__ import annotations
 
 import math
+import threading
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -398,11 +399,13 @@ def _gather_blocks(S: int, BH: int, d: int, n_lanes: int = 1) -> list[tuple[int,
     return [(s, min(s + width, S)) for s in range(0, S, width)]
 
 
-_LANES: dict = {}
+_LANES = threading.local()   # MLX streams belong to the thread that made them: each thread keeps its own lanes
 
 
 def _lanes() -> tuple:
-    """Streams the attention step spreads its gather blocks over: two on the CPU, the default one elsewhere.
+    """Streams the attention step spreads its gather blocks over: two on the CPU, the default one elsewhere; the
+    calling thread's own (a stream made by another thread fails in this one: 'There is no Stream(cpu, N) in
+    current thread').
 
     MLX runs each CPU op on one thread, and a float16 -> float32 cast costs about 1 ns per element there
     (software conversion): two CPU streams convert (and gather) alternate blocks on both cores. A GPU keeps
@@ -410,10 +413,11 @@ def _lanes() -> tuple:
     """
     dev = mx.default_device()
     key = str(dev)
-    if key not in _LANES:
+    per_thread = _LANES.__dict__
+    if key not in per_thread:
         first = mx.default_stream(dev)
-        _LANES[key] = (first, mx.new_stream(dev)) if dev.type == mx.cpu else (first,)
-    return _LANES[key]
+        per_thread[key] = (first, mx.new_stream(dev)) if dev.type == mx.cpu else (first,)
+    return per_thread[key]
 
 
 #: 2^(127 - 15), float32's exponent bias over float16's: float16_scaled_rows gives float16 values times 1 / F16_SCALE
