@@ -93,6 +93,9 @@ class A2ATSConfig:
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
                 raise ValueError(f"A2ATSConfig.{name}: expected a non-negative int, got {v!r}")
             object.__setattr__(self, name, int(v))
+        if self.b >= checks.B_LIMIT:
+            raise ValueError(f"A2ATSConfig.b: expected b < 2^24 = {checks.B_LIMIT} (float32 does not hold every "
+                             f"integer above; the authors use 2048), got {self.b}")
         checks.check_topk(self.topk)  # ValueError names topk and the accepted forms
         t = self.topk
         object.__setattr__(self, "topk", int(t) if isinstance(t, numbers.Integral) else float(t))
@@ -312,7 +315,7 @@ class A2ATSCache(_BaseCache):
             raise ValueError(f"config: expected an A2ATSConfig, got {type(config).__name__}")
         self.codebook = codebook
         self.inv_freqs = checks.check_inv_freqs(inv_freqs, codebook.head_dim)
-        self.traditional = bool(traditional)
+        self.traditional = checks.check_bool(traditional, "traditional")
         # EQ-12 on the device: the mx.fast.rope arguments the model used (None: keys were rotated by m * inv_freqs)
         self.fast_rope = fast_rope
         self.config = config

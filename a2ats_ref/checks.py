@@ -137,6 +137,18 @@ def check_nonneg_int(v, name: str) -> int:
     return int(v)
 
 
+def check_bool(v, name: str) -> bool:
+    """A real bool (or NumPy bool): bool("no") and bool(1.0) are True, so a string or number would pick a branch
+    the caller did not ask for."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise ValueError(f"{name}: expected True or False, got {v!r} ({type(v).__name__})")
+    return bool(v)
+
+
+#: 2^24: float32 holds every integer below it, not all above (R_b's angle is b * inv_freq in float32)
+B_LIMIT = 1 << 24
+
+
 def check_pos_int(v, name: str) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
         raise ValueError(f"{name}: expected a positive integer, got {v!r}")
