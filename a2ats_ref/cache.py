@@ -236,19 +236,22 @@ class A2ATSCodebook:
 
 
 def random_codebook(n_layers: int, n_kv_heads: int, head_dim: int, K: int = 256, *, seed: int = 0) -> A2ATSCodebook:
-    """A random codebook for wiring tests only (warns). Cz ~ N(0, 1); L = Cholesky of a random SPD matrix."""
+    """A random codebook for wiring tests only (warns). Cz ~ N(0, 1); L = Cholesky of a random SPD matrix.
+
+    Drawn and factorised by NumPy in float64, then rounded to float32: the bits depend on the seed only, not on
+    which BLAS MLX runs (that depends on whether mlx was imported before a2ats_ref).
+    """
     for name, v in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("K", K)):
         checks.check_pos_int(v, name)
     d = checks.check_head_dim(head_dim)
     checks.check_codebook_size(K)
     warnings.warn(RANDOM_CODEBOOK_WARNING, UserWarning, stacklevel=2)
-    key = mx.random.key(seed)
-    k1, k2 = mx.random.split(key)
-    Cz = mx.random.normal((n_layers, n_kv_heads, K, d), key=k1)
-    A = mx.random.normal((n_layers, n_kv_heads, d, d), key=k2) / math.sqrt(d)
-    H = A @ mx.swapaxes(A, -1, -2) + 0.5 * mx.eye(d)
-    L = mx.linalg.cholesky(H, stream=mx.cpu)
-    L = mx.tril(L)
+    rng = np.random.default_rng(checks.check_nonneg_int(seed, "seed"))
+    Cz = rng.standard_normal((n_layers, n_kv_heads, K, d)).astype(np.float32)
+    A = rng.standard_normal((n_layers, n_kv_heads, d, d)) / math.sqrt(d)
+    H = A @ np.swapaxes(A, -1, -2) + 0.5 * np.eye(d)
+    L = np.tril(np.linalg.cholesky(H)).astype(np.float32)
+    Cz, L = mx.array(Cz), mx.array(L)
     return A2ATSCodebook(Cz, L, random=True)
 
 
