@@ -5,11 +5,12 @@ The cache holds the post-RoPE keys and values exactly as mlx-lm hands them (same
 and KV head, the index of the nearest z-space codeword of the token's
 position-free key (EQ-12 de-rotation at the token's own position, then EQ-16
 assignment z = k L -> nearest row of Cz). Codes are computed once per token and
-nothing already cached is ever re-rotated, but not on append: a token's code is
-first read when it leaves the recent window (window tokens are always attended),
-so decode assigns every pending token in one batch when the oldest of them is
-about to leave it (one codebook read per ~w tokens instead of one per token), and
-codes_view()/state assign whatever is pending on demand. A code does not depend on
+nothing already cached is ever re-rotated. A prefill chunk (more than one token)
+is coded as it is appended; a decode token's code is first read when it leaves the
+recent window (window tokens are always attended), so decode assigns the pending
+tokens in one batch when the oldest of them is about to leave it (one codebook read
+per ~w tokens instead of one per token), and codes_view()/state assign whatever is
+pending on demand. A code does not depend on
 when it is computed, so every clause sees the same codes as with eager assignment.
 
 Attention itself is chosen by the hook (a2ats_ref.hook.enable_a2ats):
@@ -67,6 +68,13 @@ RANDOM_CODEBOOK_WARNING = (
     "A2ATS is using a RANDOM codebook: token selection is meaningless. Use it only to test wiring; "
     "for real use calibrate one (a2ats-calibrate) and pass it to make_a2ats_cache."
 )
+
+
+NO_HOOK_WARNING = (
+    "A2ATS caches are in use but the model's attention never called A2ATSCache.decode: mlx-lm ran dense attention "
+    "over every token. Call a2ats_ref.hook.enable_a2ats(model) once before generating."
+)
+_warned_no_hook = [False]   # once per process: a server's every request would repeat it
 
 
 # --------------------------------------------------------------------------- config
@@ -331,6 +339,7 @@ class A2ATSCache(_BaseCache):
         # kept on the host from the host codes of each batch; _counts_mx is its mx copy, made when a decode needs it
         self._counts = self._counts_mx = None
         self._last_selection = None
+        self._undecoded = False   # the last append was one token and no decode has read it (no hook)
 
     #: decode_step_fast's selection method ("auto": chosen per device; "host", "mlx", "sortfree" force one)
     select_method = "auto"
@@ -342,6 +351,11 @@ class A2ATSCache(_BaseCache):
     def update_and_fetch(self, keys, values):
         self._check_kv(keys, values)
         prev, t = self.offset, keys.shape[2]
+        if self._undecoded and t == 1 and not _warned_no_hook[0]:
+            # two decode steps in a row without decode(): the attention is not A2ATS's, and nothing else would say so
+            _warned_no_hook[0] = True
+            warnings.warn(NO_HOOK_WARNING, UserWarning, stacklevel=2)
+        self._undecoded = t == 1
         if self.keys is not None and prev == 0 and keys.shape[0] != self.keys.shape[0]:
             # Empty (e.g. trimmed to 0) with another batch size: start fresh buffers rather than let
             # the old ones broadcast the new batch into the wrong shape. Nothing cached is lost.
@@ -354,7 +368,12 @@ class A2ATSCache(_BaseCache):
         self.offset += t
         self.keys[..., prev : self.offset, :] = keys
         self.values[..., prev : self.offset, :] = values
-        return self.keys_and_values()   # codes: assigned later, in a batch (_assign_pending)
+        if t > 1:
+            # A prefill chunk is coded with it: left pending, a long prefill's tokens would all be coded by the
+            # first decode (a 32K prompt: seconds in one step, no progress). Decode appends stay pending, coded
+            # in batches of about w + 1 (_assign_pending).
+            self._assign_pending(self.offset)
+        return self.keys_and_values()
 
     def _assign_pending(self, upto: int) -> None:
         """Make sure tokens [0, upto) have codes: if any is pending, code every pending token (one batch).
@@ -562,6 +581,7 @@ class A2ATSCache(_BaseCache):
         # Scores read the codes of tokens j < offset - w only (the window is always attended): pending tokens
         # are coded together once the oldest of them reaches that range, i.e. about once every w + 1 tokens.
         self._assign_pending(self.offset - cfg.w)
+        self._undecoded = False
         out, self._last_selection = decode_step_fast(
             queries, self.keys, self.values, self.codes, cb.CT, query_pos=self.offset - 1, b=cfg.b, w=cfg.w,
             sinks=cfg.sinks, topk=cfg.topk, inv_freqs=self.inv_freqs, traditional=self.traditional,

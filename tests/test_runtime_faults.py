@@ -45,3 +45,47 @@ def test_random_codebook_depends_only_on_its_seed():
         assert out.returncode == 0, out.stderr
         digests.append(out.stdout.strip().splitlines()[-1])
     assert digests[0] == digests[1], "random_codebook(seed=3) differs with the import order of mlx and a2ats_ref"
+
+
+def test_first_decode_after_a_long_prefill_codes_a_bounded_number_of_tokens(monkeypatch):
+    """A prefill chunk's tokens are coded with the chunk: left pending, the first decode after a 32K prefill
+    coded all 32K at once (tens of seconds, no progress). A decode codes at most the w + 1 tokens appended
+    since the last chunk."""
+    import a2ats_ref.cache as cache_mod
+
+    lc = quiet_codebook().layers[0]
+    cfg = A2ATSConfig(w=4, sinks=2, topk=0.1)
+    c = A2ATSCache(lc, mx.ones((lc.head_dim // 2,)) * 0.01, False, cfg)
+    kv = lambda t, i: mx.random.normal((1, lc.n_kv_heads, t, lc.head_dim), key=mx.random.key(i))
+    for i, t in enumerate((300, 500)):
+        c.update_and_fetch(kv(t, 2 * i), kv(t, 2 * i + 1))
+    coded = []
+    real = cache_mod.assign_codes
+    monkeypatch.setattr(cache_mod, "assign_codes", lambda k, *a, **kw: coded.append(k.shape[2]) or real(k, *a, **kw))
+    q = mx.random.normal((1, 2 * lc.n_kv_heads, 1, lc.head_dim), key=mx.random.key(9))
+    for i in range(12):
+        c.update_and_fetch(kv(1, 100 + i), kv(1, 200 + i))
+        mx.eval(c.decode(q))
+    assert sum(coded) <= 12 and max(coded, default=0) <= cfg.w + 1, f"tokens coded per decode batch: {coded}"
+
+
+def test_caches_without_the_hook_warn_once(monkeypatch):
+    """Without enable_a2ats, mlx-lm's dense attention reads the A2ATS cache's keys and values: the output looks
+    right and A2ATS never ran."""
+    import warnings
+
+    import a2ats_ref.cache as cache_mod
+    from a2ats_ref.hook import disable_a2ats, enable_a2ats
+    from test_cache_support import a2ats_caches, run, tiny_llama, tokens
+
+    monkeypatch.setattr(cache_mod, "_warned_no_hook", [False])
+    model = tiny_llama()
+    counts = []
+    for hooked in (True, False, False):
+        (enable_a2ats if hooked else disable_a2ats)(model)
+        caches = a2ats_caches(model, w=4, sinks=2, topk=0.1)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            run(model, tokens(40), caches, prefill=30)
+        counts.append(sum("enable_a2ats" in str(w.message) for w in seen))
+    assert counts == [0, 1, 0], f"warnings naming enable_a2ats (hooked, unhooked, unhooked again): {counts}"
