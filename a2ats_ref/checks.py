@@ -62,6 +62,16 @@ def check_finite(a: mx.array, name: str) -> None:
         raise ValueError(f"{name}: expected finite values, found {bad} NaN/inf entries")
 
 
+def check_no_overflow(a: mx.array, name: str, inputs: str) -> mx.array:
+    """``a`` computed from finite inputs: an inf/NaN entry means a product or sum overflowed float32 (max ~3.4e38),
+    and the result would be garbage; raise, naming the result and the inputs to scale down."""
+    if a.size and not mx.all(mx.isfinite(a)).item():
+        bad = int(mx.sum(~mx.isfinite(a)).item())
+        raise ValueError(f"{name}: float32 overflow ({bad} inf/NaN entries from finite inputs); {inputs} are too "
+                         "large in magnitude: scale them down")
+    return a
+
+
 def check_ndim(a: mx.array, name: str, min_ndim: int, layout: str) -> None:
     if a.ndim < min_ndim:
         raise ValueError(f"{name}: expected shape {layout} (at least {min_ndim} dims), got shape {tuple(a.shape)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from a2ats_ref.cache import A2ATSCache, A2ATSConfig
@@ -89,3 +90,35 @@ def test_caches_without_the_hook_warn_once(monkeypatch):
             run(model, tokens(40), caches, prefill=30)
         counts.append(sum("enable_a2ats" in str(w.message) for w in seen))
     assert counts == [0, 1, 0], f"warnings naming enable_a2ats (hooked, unhooked, unhooked again): {counts}"
+
+
+# ---------------------------------------------------------------- float32 overflow: a clear error, never inf/NaN
+
+def _big(shape, scale, seed=0):
+    return mx.array((np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32))
+
+
+def _overflow_cases():
+    from a2ats_ref.eq10_query_moment import query_moment
+    from a2ats_ref.eq17_kmeans import kmeans
+    from a2ats_ref.eq18_back_transform import back_transform
+    from a2ats_ref.retrieval import retrieval_attention
+
+    inv = mx.array(np.geomspace(1.0, 1e-3, 8).astype(np.float32))
+    return {
+        "kmeans": lambda: kmeans(_big((64, 16), 1e20), 8, seed=0),
+        "query_moment": lambda: query_moment(_big((4, 6, 16), 1e20), n_kv_heads=2, b=2048, inv_freqs=inv,
+                                             traditional=False),
+        "retrieval_attention": lambda: retrieval_attention(_big((4, 16), 1e20), _big((2, 5, 16), 1e20, 1),
+                                                           _big((2, 5, 16), 1.0, 2), mx.ones((2, 5), mx.bool_)),
+        "back_transform": lambda: back_transform(_big((8, 16), 1e37),
+                                                 mx.array(np.eye(16, dtype=np.float32) * 1e-3)),
+    }
+
+
+@pytest.mark.parametrize("name", ["kmeans", "query_moment", "retrieval_attention", "back_transform"])
+def test_overflow_raises_a_clear_error(name):
+    with pytest.raises(ValueError, match="overflow"):
+        out = _overflow_cases()[name]()
+        pytest.fail(f"{name} returned without an error; finite: "
+                    f"{[bool(mx.all(mx.isfinite(o)).item()) for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, mx.array)]}")
