@@ -531,7 +531,7 @@ class A2ATSCache(_BaseCache):
         cfg, rope = v
         self.config = A2ATSConfig.from_json(cfg)
         r = json.loads(rope)
-        self.traditional = bool(r["traditional"])
+        self.traditional = checks.check_bool(r.get("traditional"), "meta_state: traditional")
         self.inv_freqs = mx.array([float.fromhex(x) for x in r["inv_freqs"]], dtype=mx.float32)
         self.fast_rope = fast_rope_from_json(r.get("fast_rope"))
 
@@ -550,7 +550,7 @@ class A2ATSCache(_BaseCache):
         cfg_json, rope_json = meta_state
         r = json.loads(rope_json)
         obj = cls(codebook, mx.array([float.fromhex(x) for x in r["inv_freqs"]], dtype=mx.float32),
-                  bool(r["traditional"]), A2ATSConfig.from_json(cfg_json),
+                  checks.check_bool(r.get("traditional"), "meta_state: traditional"), A2ATSConfig.from_json(cfg_json),
                   fast_rope=fast_rope_from_json(r.get("fast_rope")))
         obj.state = state
         return obj

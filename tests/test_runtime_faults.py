@@ -122,3 +122,17 @@ def test_overflow_raises_a_clear_error(name):
         out = _overflow_cases()[name]()
         pytest.fail(f"{name} returned without an error; finite: "
                     f"{[bool(mx.all(mx.isfinite(o)).item()) for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, mx.array)]}")
+
+
+@pytest.mark.parametrize("flag", ["false", "no", 0])
+def test_meta_state_traditional_must_be_a_bool(flag):
+    import json
+
+    lc = quiet_codebook().layers[0]
+    cache = A2ATSCache(lc, mx.ones((lc.head_dim // 2,)), False)
+    cfg, rope = cache.meta_state
+    bad = json.dumps({**json.loads(rope), "traditional": flag})
+    with pytest.raises(ValueError, match="traditional"):
+        A2ATSCache.from_state((), (cfg, bad), codebook=lc)
+    with pytest.raises(ValueError, match="traditional"):
+        cache.meta_state = (cfg, bad)
