@@ -1,4 +1,4 @@
-"""Likely cause of a failing clause (issue 9, item 2): replay its failing examples through every known
+"""Likely cause of a failing clause: replay its failing examples through every known
 deviation (deviations.py) and report each one that explains them.
 
 A failing example is the IUT's calls and outputs as Context recorded them. For one deviation variant,
@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from .deviations import DEVIATIONS, Decoded, Deviation, Model
-from .repro import fill_placeholder, to_float64 as _up
-from .tolerances import tie_margin, tolerance
+from a2ats_conformance.deviations import DEVIATIONS, Decoded, Deviation, Model
+from a2ats_conformance.repro import fill_placeholder, to_float64 as _up
+from a2ats_conformance.harness.tolerances import tie_margin, tolerance
 
 __all__ = ["diagnose", "help_lines", "replay"]
 
@@ -149,7 +149,7 @@ def _same(port, other, rtol: float, atol: float):
 def _call_tolerance(dtype: str, clause: str, name: str) -> tuple[float, float]:
     """The loosest of the failing clause's tolerance and that of the clause defining the call: a port's
     output is compared here with a float64 model, as the call's own clause compares it."""
-    from .adapter import CLAUSE_FUNCTIONS
+    from a2ats_conformance.harness.adapter import CLAUSE_FUNCTIONS
 
     method = name.split(".", 1)[1] if name.startswith("cache") and "." in name else None
     own = [c for c, fs in CLAUSE_FUNCTIONS.items() if name in fs]
@@ -207,8 +207,8 @@ def _size(example: dict) -> int:
 
 
 def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS, budget_s: float = BUDGET_S) -> list[dict]:
-    """[{id, cause, matched, of}] for every deviation matching at least half as many failing examples as the
-    best one does, best first.
+    """[{id, cause, matched, of, likely}] for every deviation matching a failing example, best first; ``likely``
+    when it matches at least half of them (the others are "also consistent").
 
     ``examples``: Context failure snapshots ({clause, calls, outputs, notes}); ``of`` counts those tried
     (with at least one recorded IUT output; the MAX_EXAMPLES smallest). Deviations not reached within
@@ -227,9 +227,10 @@ def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS, budget_s: 
             found.append({"id": dev.id, "cause": dev.describe(hits, [v for _, v in which if v is not None]),
                           "matched": len(hits), "of": len(usable)})
     found.sort(key=lambda r: -r["matched"])   # stable: ties keep the library's order
-    # a cause that explains under half as many examples as the best one is a coincidence of small examples
-    # (a decode over a few tokens selects them all whatever the rule), not a second diagnosis
-    found = [r for r in found if 2 * r["matched"] >= found[0]["matched"]]
+    # a cause that explains under half of the failing examples is not likely: it is listed as "also consistent"
+    # (a decode over a few tokens selects them all whatever the rule, so small examples agree with many causes)
+    for r in found:
+        r["likely"] = 2 * r["matched"] >= r["of"]
     if skipped:
         found.append({"id": None, "cause": f"diagnosis stopped after {budget_s:g} s; not tried: {', '.join(skipped)}",
                       "matched": 0, "of": len(usable)})
@@ -242,12 +243,20 @@ def help_lines(causes: list[dict], n_examples: int, limit: int = 3) -> list[str]
     if not named:
         return [f"help: no known cause matched ({min(n_examples, MAX_EXAMPLES)} failing example(s) replayed "
                 f"through {len(DEVIATIONS)} known deviations)"] + notes
-    return [f"help: likely cause: {c['cause']}, matches {c['matched']}/{c['of']} failing examples [{c['id']}]"
-            for c in named[:limit]] + notes
+    likely = [c for c in named if c.get("likely", True)]
+    also = [c for c in named if not c.get("likely", True)]
+    lines = [f"help: likely cause: {c['cause']}, matches {c['matched']}/{c['of']} failing examples [{c['id']}]"
+             for c in likely[:limit]]
+    if not likely:
+        lines.append(f"help: no likely cause: none of the known deviations explains half of the "
+                     f"{named[0]['of']} failing examples replayed")
+    lines += [f"note: also consistent: {c['cause']}, matches {c['matched']}/{c['of']} failing examples [{c['id']}]"
+              for c in also[:limit]]
+    return lines + notes
 
 
 def _jsonable_notes(notes: dict) -> dict:
-    from .pytest_helpers import _jsonable   # plain JSON types: the report crosses pytest-xdist workers
+    from a2ats_conformance.harness.pytest_helpers import _jsonable   # plain JSON types: the report crosses pytest-xdist workers
 
     return {k: _jsonable(v.tolist() if isinstance(v, np.ndarray) else v) for k, v in notes.items()}
 
@@ -255,8 +264,8 @@ def _jsonable_notes(notes: dict) -> dict:
 def explain_failure(item, ctx, exc) -> None:
     """After a failed test: search revealing examples, diagnose every failing example, and add the
     ``help:`` lines to the failure message and ``likely_causes`` / ``revealing`` to the counterexample."""
-    from . import reveal
-    from .pytest_helpers import ConformanceFailure
+    from a2ats_conformance import reveal
+    from a2ats_conformance.harness.pytest_helpers import ConformanceFailure
 
     minimal = list(ctx.failures)
     last = ctx.last_failure

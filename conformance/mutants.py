@@ -1,5 +1,5 @@
 """Mutant ports: the reference adapter with one realistic bug each.  The suite must reject every
-one of them, on the clause the bug violates (tests/test_mutants.py proves it).
+one of them, on the clause the bug violates (tests/suite/test_mutants.py proves it).
 
 Run one by hand:  a2ats-conformance --iut a2ats_conformance.mutants:FarKeysRotated --clauses EQ-12
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from a2ats_spec import oracle as _o
 
-from .adapters.reference import ReferenceAdapter, ReferenceCache
+from a2ats_conformance.adapters.reference import ReferenceAdapter, ReferenceCache
 
 __all__ = ["MUTANTS", "COVERAGE_MUTANTS", "GAP_MUTANTS", "Mutant"]
 
@@ -169,7 +169,7 @@ class FarQueryInAttention(Mutant):
 
 
 class _ForgetfulCache(ReferenceCache):
-    """trim() rolls back keys, values and offset, but not the position counter used to de-rotate
+    """trim() rolls back keys, values and offset, but not the position counter that de-rotates
     (and so to code) the tokens written afterwards."""
 
     def __init__(self, config, _cache=None):
@@ -198,7 +198,7 @@ class _ForgetfulCache(ReferenceCache):
 
 class TrimForgetsPositions(Mutant):
     expected_clause = "CACHE-TRIM"
-    bug = "cache trim does not roll back the position counter used to code later tokens"
+    bug = "cache trim does not roll back the position counter that codes later tokens"
 
     def make_cache(self, config):
         return _ForgetfulCache(config)
@@ -212,9 +212,9 @@ MUTANTS = {cls.__name__: cls for cls in (
 )}
 
 
-# --------------------------------------------------------------------------- coverage mutants (issue 9, item 7)
-# Bugs the suite of commit 1cf8c61 never reached: each names the coverage item whose property kills it
-# (tests/test_coverage_mutants.py proves the kill, and its docstring says how the old suite was shown to miss it).
+# --------------------------------------------------------------------------- coverage mutants
+# Bugs in code paths a suite can easily leave unreached: each names the coverage property that kills it
+# (tests/suite/test_coverage_mutants.py proves the kill on its clause).
 
 class Float16Lut(Mutant):
     expected_clause = "RET-DECODE"
@@ -310,20 +310,21 @@ class _HostPathHeadZeroCache(_SameClassOnLoad, ReferenceCache):
 
     def decode(self, q_post):
         import mlx.core as mx
-        from a2ats_ref import fast_decode as fd
+        from a2ats_ref.runtime.decode import portable as fd
+        from a2ats_ref.runtime.decode import dispatch
 
-        original, auto = fd._select_host, fd.auto_method
+        original, auto = fd._select_host, dispatch.auto_method
 
         def first_head_only(lut, codes, **kw):
             return original(mx.broadcast_to(lut[:, :1, :], lut.shape), codes, **kw)
 
         fd._select_host = first_head_only
         # the host path on every device (off the CPU, auto takes the sort-free step at any length)
-        fd.auto_method = lambda n, **shape: "host" if n >= fd.HOST_SELECT_MIN else auto(n, **shape)
+        dispatch.auto_method = lambda n, **shape: "host" if n >= fd.HOST_SELECT_MIN else auto(n, **shape)
         try:
             return super().decode(q_post)
         finally:
-            fd._select_host, fd.auto_method = original, auto
+            fd._select_host, dispatch.auto_method = original, auto
 
 
 class HostPathHeadZero(Mutant):
@@ -358,17 +359,16 @@ class ChunkRerotated(Mutant):
         return _ChunkRerotatedCache(config)
 
 
-#: name -> coverage mutant: each is missed by the suite of commit 1cf8c61 and killed on expected_clause
+#: name -> coverage mutant: each reaches a path a thin suite misses, and is killed on expected_clause
 COVERAGE_MUTANTS = {cls.__name__: cls for cls in (
     Float16Lut, BatchRowsReadRowZero, PositionsLowPrecision, HostPathHeadZero, ChunkRerotated,
 )}
 
 
-# --------------------------------------------------------------------------- gap mutants (audit of session 8)
-# Bugs the suite of commit 4fc9dfb let through at the ci profile, every clause run (a port-writer's audit of 20
-# new mutants, 12 survivors). Each class names the clause that must reject it (expected_clause), the property
-# that now does (gap: "file::test"), and, where the diagnosis catalogue has it, the known deviation its failure
-# must name (expected_cause, an id of conformance/deviations.py).
+# --------------------------------------------------------------------------- gap mutants
+# Bugs a port writer makes that pass a suite which only draws the easy cases. Each class names the clause that
+# must reject it (expected_clause), the property that does (gap: "file::test"), and, where the diagnosis
+# catalogue has it, the known deviation its failure must name (expected_cause, an id of conformance/deviations.py).
 GAP_MUTANTS: dict = {}
 
 
@@ -675,7 +675,7 @@ class _SaveDropsParamCache(ReferenceCache):
     def load(self, path):
         import dataclasses
 
-        from a2ats_ref.cache import A2ATSConfig
+        from a2ats_ref.runtime.cache import A2ATSConfig
 
         r = super().load(path)
         r._c.config = dataclasses.replace(r._c.config, **{self.param: getattr(A2ATSConfig(), self.param)})
@@ -712,7 +712,7 @@ class SaveDropsB(Mutant):
         return _SaveDropsBCache(config)
 
 
-# ---- gaps in EQ-13 to EQ-18 (second audit)
+# ---- gaps in EQ-13 to EQ-18
 def _first_L(L):
     """A stack of L (..., d, d) collapsed to its first matrix: the broadcast written as L[0]."""
     L = np.asarray(L)
@@ -784,7 +784,7 @@ class AssignSymmetrisesH(Mutant):
         return self._ref.assign(k, C, ((H + H.T) / 2).astype(np.float32))
 
 
-# ---- gaps in batched selection and batched prefill (second audit)
+# ---- gaps in batched selection and batched prefill
 @_gap
 class SelectBatchedStridedGroups(Mutant):
     expected_clause = "RET-SELECT"
@@ -852,7 +852,7 @@ class SaveBatchRowZero(Mutant):
         return _SaveRowZeroCache(config)
 
 
-# ---- gaps in ROPE-APPLY and ROPE-INVERSE positions (second audit)
+# ---- gaps in ROPE-APPLY and ROPE-INVERSE positions
 @_gap
 class RopeScalarAsOffset(Mutant):
     expected_clause = "ROPE-APPLY"
@@ -892,8 +892,8 @@ class RopeInvertFirstRowPositions(Mutant):
         return self._ref.rope_invert(x, p, inv_freqs, traditional=traditional)
 
 
-# ---- gaps of the third audit, area A (RoPE, EQ-10..12)
-# Bugs the suite of commit 3ce9183 passed at the ci profile (seeds 0 and 1) on their clause: b was only ever drawn at
+# ---- gaps in RoPE and EQ-10..12
+# Bugs that pass a suite in which b is only ever drawn at
 # values bfloat16 holds exactly, far_keys/far_query and wrope_scores only on 2-D inputs with explicit (T,) positions,
 # the two scaling-type keys never disagreed, and the INPUT-ERRORS of RoPE, EQ-10 and ROPE-FREQ were barely probed.
 
@@ -918,7 +918,7 @@ class QueryMomentBBfloat16(Mutant):
     expected_cause = "b-low-precision"
 
     def query_moment(self, queries, *, b, inv_freqs, traditional, **kw):
-        from .deviations import _round
+        from a2ats_conformance.deviations import _round
 
         # the reference rotates by b; rotating the queries by bf16(b) - b first makes that bf16(b) in all
         shift = float(_round(b, "bfloat16")) - b
@@ -1010,9 +1010,8 @@ class QueryMomentEpsNormalise(Mutant):
         return (H / (rms + 1e-12) + ridge * np.eye(d)).astype(np.float32)
 
 
-# ---- gaps of the third audit, area B (EQ-13..18, retrieval)
-# Bugs the suite of commit 3ce9183 passed at the ci profile (an audit of 20 mutants in EQ-13..18 and RET-*, 14
-# survivors); the eight below stand for them: leading dims, the k-means stop rule and returned codes, the int top-k
+# ---- gaps in EQ-13..18 and retrieval
+# Bugs that pass a suite drawing only the common shapes and counts; the eight below guard: leading dims, the k-means stop rule and returned codes, the int top-k
 # count 1, the never-empty rule beside sinks, a query before the last token, an empty selection, batched attention.
 @_gap
 class AssignZLeadingRowZero(Mutant):
@@ -1144,8 +1143,8 @@ class AttentionBatchRowZeroMask(Mutant):
         return self._ref.retrieval_attention(q, k, v, m, scale=scale)
 
 
-# ---- gaps of the third audit, area C (cache)
-# Cache bugs the suite of commit 3ce9183 passed at the ci profile (seeds 0 and 1): positions() never checked
+# ---- gaps in the cache
+# Cache bugs that pass a suite in which positions() is never checked
 # against the rule, codes' dtype checked only before the buffers grow, decodes checked only after codes() had
 # coded every token and only once per cache, load always called on the cache that saved, batch = 1 and batched
 # prefill inputs never drawn.

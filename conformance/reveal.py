@@ -1,4 +1,4 @@
-"""Informative counterexamples (issue 9, item 3): after a failure, look for failing examples in the
+"""Informative counterexamples: after a failure, look for failing examples in the
 region where causes show, beside Hypothesis's minimal example.
 
 Shrinking drives an example to the degenerate corner where a bug may be invisible (b = 0 hides a
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from a2ats_spec import oracle
 
-from .pytest_helpers import ConformanceFailure
+from a2ats_conformance.harness.pytest_helpers import ConformanceFailure
 
 __all__ = ["in_region", "region_text", "search"]
 

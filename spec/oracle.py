@@ -317,7 +317,7 @@ def wrope_scores(q: Any, k: Any, *, w: int, b: int, inv_freqs: Any, traditional:
     Tq, Tk = q.shape[-2], k.shape[-2]
     pq = _positions(q_positions, Tq, "q_positions")
     pk = _positions(k_positions, Tk, "k_positions")
-    # near: q_i R_{i-j} k_jᵀ = (q_i R_i)(k_j R_j)ᵀ because R_i R_jᵀ = R_{i-j} (checked in tests/test_oracle.py)
+    # near: q_i R_{i-j} k_jᵀ = (q_i R_i)(k_j R_j)ᵀ because R_i R_jᵀ = R_{i-j} (checked in tests/oracle/test_oracle.py)
     near = rope_apply(q, pq, om, traditional=traditional) @ np.swapaxes(
         rope_apply(k, pk, om, traditional=traditional), -1, -2)
     # far: (q_i R_b) k_jᵀ, the key side carries no position

@@ -3,7 +3,7 @@
 NumPy in, NumPy out: float arrays become mx arrays of the same dtype (float32 arrays become
 bfloat16 when the suite sets ``input_dtype = "bfloat16"``), integer and bool arrays keep their
 dtype; results come back as NumPy (bfloat16 results as float32).  The cache factory wraps
-``a2ats_ref.cache.A2ATSCache`` in the NumPy cache protocol of README-ADAPTER.md (a batch of one, or
+``a2ats_ref.runtime.cache.A2ATSCache`` in the NumPy cache protocol of README-ADAPTER.md (a batch of one, or
 ``config["batch"]`` rows with a leading batch axis).
 """
 
@@ -17,7 +17,7 @@ import a2ats_ref  # noqa: F401  (first: it loads the fast BLAS, which must happe
 import mlx.core as mx
 import numpy as np
 
-from ..adapter import FUNCTION_NAMES
+from a2ats_conformance.harness.adapter import FUNCTION_NAMES
 
 # Where each reference function lives (a2ats_ref/__init__ may re-export them; the lead owns it).
 _MODULES = ("rope", "eq10_query_moment", "eq11_wrope_scores", "eq12_far_keys", "eq13_score_error", "eq14_assign",
@@ -114,7 +114,8 @@ class SortFreeReference(ReferenceAdapter):
 
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
                     scale=None, return_mask=False):
-        from a2ats_ref.fast_decode import decode_step_fast, prepare_codebook
+        from a2ats_ref.runtime.decode.portable import prepare_codebook
+        from a2ats_ref.runtime.decode.dispatch import decode_step_fast
 
         if np.ndim(q_post) != 2 or np.ndim(k_post) != 3:
             raise ValueError(f"{self.name}: decode_step takes one sequence, q_post (n_q, d) and k_post (n_kv, T, d)")
@@ -137,7 +138,7 @@ class ReferenceCache:
     """NumPy view of one layer's A2ATSCache; see README-ADAPTER.md, cache protocol (batch included)."""
 
     def __init__(self, config: dict, _cache=None):
-        from a2ats_ref.cache import A2ATSCache, A2ATSConfig, LayerCodebook
+        from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig, LayerCodebook
 
         self.config = dict(config)
         self.batched = config.get("batch") is not None
@@ -203,13 +204,13 @@ class ReferenceCache:
         return self._out(k), self._out(v)
 
     def save(self, path: str) -> None:
-        from a2ats_ref.cache_io import save_a2ats_cache
+        from a2ats_ref.files.cache import save_a2ats_cache
 
         save_a2ats_cache(_st(path), [self._c])
 
     def load(self, path: str) -> "ReferenceCache":
-        from a2ats_ref.cache import A2ATSCodebook
-        from a2ats_ref.cache_io import load_a2ats_cache
+        from a2ats_ref.runtime.cache import A2ATSCodebook
+        from a2ats_ref.files.cache import load_a2ats_cache
 
         lc = self._c.codebook
         cb = A2ATSCodebook(lc.Cz[None], lc.L[None])
