@@ -10,6 +10,7 @@ from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig
 from test_cache_support import quiet_codebook
 
 
+@pytest.mark.clause("INPUT-ERRORS")
 @pytest.mark.parametrize("flag", ["no", "false", "", 0, 1, None, 1.0])
 def test_traditional_must_be_a_bool(flag):
     """bool("no") is True: a string or number taken as a bool silently picks the other RoPE layout."""
@@ -18,6 +19,7 @@ def test_traditional_must_be_a_bool(flag):
         A2ATSCache(lc, mx.ones((lc.head_dim // 2,)), flag)
 
 
+@pytest.mark.clause("INPUT-ERRORS")
 @pytest.mark.parametrize("b", [2 ** 24, 2 ** 24 + 1, 10 ** 9])
 def test_b_beyond_float32_integers_is_refused(b):
     """R_b's angle is b * inv_freq in float32, where integers above 2^24 are not all representable."""
@@ -48,6 +50,7 @@ def test_random_codebook_depends_only_on_its_seed():
     assert digests[0] == digests[1], "random_codebook(seed=3) differs with the import order of mlx and a2ats_ref"
 
 
+@pytest.mark.clause("CACHE-DECODE")
 def test_first_decode_after_a_long_prefill_codes_a_bounded_number_of_tokens(monkeypatch):
     """A prefill chunk's tokens are coded with the chunk: left pending, the first decode after a 32K prefill
     coded all 32K at once (tens of seconds, no progress). A decode codes at most the w + 1 tokens appended
@@ -116,6 +119,7 @@ def _overflow_cases():
     }
 
 
+@pytest.mark.clause("INPUT-ERRORS")
 @pytest.mark.parametrize("name", ["kmeans", "query_moment", "retrieval_attention", "back_transform"])
 def test_overflow_raises_a_clear_error(name):
     with pytest.raises(ValueError, match="overflow"):
@@ -124,6 +128,7 @@ def test_overflow_raises_a_clear_error(name):
                     f"{[bool(mx.all(mx.isfinite(o)).item()) for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, mx.array)]}")
 
 
+@pytest.mark.clause("INPUT-ERRORS")
 @pytest.mark.parametrize("flag", ["false", "no", 0])
 def test_meta_state_traditional_must_be_a_bool(flag):
     import json
