@@ -151,7 +151,8 @@ class LayerCodebook:
         z_operands), which are about as large again; from_z builds them up front."""
         derived = [self.__dict__[k] for k in ("CT", "z_operands") if k in self.__dict__]
         flat = [a for x in derived for a in (x if isinstance(x, tuple) else (x,))]
-        return self.Cz.nbytes + self.L.nbytes + self.C.nbytes + sum(a.nbytes for a in flat)
+        c = 0 if self.__dict__.get("_C_views_CT") else self.C.nbytes   # from_z's C is a view of CT's buffer
+        return self.Cz.nbytes + self.L.nbytes + c + sum(a.nbytes for a in flat)
 
     @cached_property
     def CT(self) -> mx.array:
@@ -183,8 +184,10 @@ class LayerCodebook:
         C = back_transform(Cz, L)  # EQ-18, batched over KV heads
         mx.eval(C)
         checks.check_finite(C, "C = Cz L^-1 (EQ-18)")
-        lc = cls(Cz=Cz, L=L, C=C)
-        lc.CT, lc.z_operands  # noqa: B018 - built now, so nbytes is what the codebook holds in use
+        CT = prepare_codebook(C)
+        lc = cls(Cz=Cz, L=L, C=mx.swapaxes(CT, -1, -2))   # one buffer for C and its transpose, counted once
+        lc.__dict__.update(CT=CT, _C_views_CT=True)
+        lc.z_operands  # noqa: B018 - built now, so nbytes is what the codebook holds in use
         return lc
 
 

@@ -141,3 +141,23 @@ def test_meta_state_traditional_must_be_a_bool(flag):
         A2ATSCache.from_state((), (cfg, bad), codebook=lc)
     with pytest.raises(ValueError, match="traditional"):
         cache.meta_state = (cfg, bad)
+
+
+def test_layer_codebook_nbytes_counts_the_bytes_it_holds():
+    """C and the decode operand CT share one buffer: counting both over-stated a codebook's memory by a third."""
+    import gc
+
+    from a2ats_ref.runtime.cache import LayerCodebook
+
+    rng = np.random.default_rng(0)
+    Cz = mx.array(rng.standard_normal((3, 1024, 64)).astype(np.float32))
+    L = mx.array(np.tile(np.eye(64, dtype=np.float32), (3, 1, 1)))
+    mx.eval(Cz, L)
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    lc = LayerCodebook.from_z(Cz, L)
+    gc.collect()
+    mx.clear_cache()
+    held = mx.get_active_memory() - before
+    assert lc.nbytes - Cz.nbytes - L.nbytes == held, (lc.nbytes - Cz.nbytes - L.nbytes, held)
