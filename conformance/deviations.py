@@ -344,6 +344,9 @@ class Model:
     def prefill_attention(self, q, k, v, *, scale=None):
         return _o.prefill_attention(q, k, v, scale=scale)
 
+    def collection_attention(self, q, k, v, *, scale=None):
+        return _o.collection_attention(q, k, v, scale=scale)
+
     def code_dtype(self, K):
         return _o.code_dtype(K)
 

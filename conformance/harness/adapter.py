@@ -11,7 +11,8 @@ one callable per clause, named exactly as the functions of ``a2ats_spec.oracle``
     rope_inv_freqs, rope_apply, rope_invert, query_moment, wrope_scores, far_keys, far_query,
     score_error, assign, cholesky, z_transform, assign_z, kmeanspp_init, lloyd_step, kmeans,
     back_transform, lut_scores, token_scores, topk_count, select_tokens, retrieval_attention,
-    decode_step, prefill_attention, code_dtype.
+    decode_step, prefill_attention, code_dtype; optionally collection_attention (PREFILL's test of a
+    calibration's collection attention).
     Same signatures as the oracle (see spec/SPEC.md).  Arguments and results are NumPy arrays
     (plain Python numbers and bools for scalar parameters; tuples for multiple results).
     Array inputs arrive in the dtype under test; results may be any float dtype (the suite
@@ -90,8 +91,12 @@ CLAUSE_FUNCTIONS: dict[str, tuple[str, ...]] = {
 }
 CACHE_FUNCTIONS = ("make_cache",)
 
+#: Callables a clause's further tests need beyond CLAUSE_FUNCTIONS (those tests cite them with ``needs=``): a
+#: port without one reads not-implemented on those tests only, and its clause verdict says "partial".
+OPTIONAL_FUNCTIONS: tuple[str, ...] = ("collection_attention",)   # PREFILL: calibration's collection attention
+
 FUNCTION_NAMES: tuple[str, ...] = tuple(
-    dict.fromkeys(f for fs in CLAUSE_FUNCTIONS.values() for f in fs)
+    dict.fromkeys([f for fs in CLAUSE_FUNCTIONS.values() for f in fs] + list(OPTIONAL_FUNCTIONS))
 )
 
 

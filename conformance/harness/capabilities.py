@@ -2,7 +2,8 @@
 draws what it accepts and marks the rest ``not-applicable`` instead of ``fail``.
 
 An adapter may declare ``capabilities = {"topk": ("fraction", "count"), "rope_layouts": ("traditional", "half"),
-"randomness": "explicit", "cache_ops": ("append", "decode", "prefill", "trim", "save_load", "batch")}``; every
+"randomness": "explicit", "cache_ops": ("append", "decode", "prefill", "trim", "save_load", "batch"),
+"rope_scaling": ("complete", "mlx_lm")}``; every
 key is optional and a missing key means full support.  ``read(adapter)`` validates the declaration and returns
 a frozen ``Capabilities``; ``current()`` is the running IUT's (set by the plugin in every pytest process).
 """
@@ -23,6 +24,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rope_layouts": ("traditional", "half"),
     "randomness": ("explicit", "own"),
     "cache_ops": ("append", "decode", "prefill", "trim", "save_load", "batch"),
+    # "mlx_lm": rope_inv_freqs reads a rope_scaling dict as mlx-lm does (left-out llama3 keys take ROPE-FREQ's
+    # defaults; "type" wins over a disagreeing "rope_type"); a port that reads complete, unambiguous dicts only
+    # (transformers indexes every llama3 key and reads "rope_type" first) declares ("complete",)
+    "rope_scaling": ("complete", "mlx_lm"),
 }
 #: Keys whose value is one choice (the others are a non-empty tuple of choices).
 _SINGLE = {"randomness"}
@@ -34,6 +39,7 @@ class Capabilities:
     rope_layouts: tuple[str, ...] = CHOICES["rope_layouts"]
     randomness: str = "explicit"
     cache_ops: tuple[str, ...] = CHOICES["cache_ops"]
+    rope_scaling: tuple[str, ...] = CHOICES["rope_scaling"]
 
     def has(self, key: str, value: str) -> bool:
         got = getattr(self, key)

@@ -23,7 +23,7 @@ __all__ = [
     "MAX_POSITION", "head_dims", "rope_params", "layouts", "topk_values", "topk_for_count", "gqa_heads", "positions", "spd_matrices",
     "rope_scaling_dict", "LLAMA3_OPTIONAL",
     "rng_from", "as_strategy", "normal", "codebook_case", "large_codebook_case", "scores_case", "kmeans_points",
-    "LONG_POSITION", "max_positions",
+    "LONG_POSITION", "max_positions", "WIDE_GROUPS", "KMEANS_BLOCK", "PAST_BLOCK_SIZES",
 ]
 
 #: Largest absolute position of most draws (the tolerance table's bound, tolerances.TABLE_MAX_POSITION).
@@ -92,7 +92,8 @@ def topk_for_count(k: int, n_visible: int):
 
 
 #: ROPE-FREQ's optional llama3 keys -> values a config may give (the spec's default first; every low value is
-#: below every high one). rope_params leaves each out at random, so a port's own defaults are read.
+#: below every high one). rope_params gives every key (real configs do); with ``leave_out`` it leaves each out
+#: at random, so a port's own defaults are read (test_rope's defaults test only).
 LLAMA3_OPTIONAL = {"low_freq_factor": (1.0, 2.0), "high_freq_factor": (4.0, 8.0),
                    "original_max_position_embeddings": (8192, 4096, 32768)}
 #: How a config names the type (ROPE-FREQ reads it as mlx-lm does: ``type``, else ``rope_type``); HF configs
@@ -108,8 +109,11 @@ def rope_scaling_dict(kind: str, type_key: str = "rope_type") -> dict:
 
 
 @st.composite
-def rope_params(draw, *, head_dim=None, max_dim: int = 64, scaled: bool = True):
-    """{'d', 'base', 'scaling', 'traditional', 'inv_freqs'} with inv_freqs from the oracle (float64)."""
+def rope_params(draw, *, head_dim=None, max_dim: int = 64, scaled: bool = True, leave_out: bool = False):
+    """{'d', 'base', 'scaling', 'traditional', 'inv_freqs'} with inv_freqs from the oracle (float64).
+
+    A llama3 scaling gives all of LLAMA3_OPTIONAL (each its default or another value), as every released config
+    does; ``leave_out``: each key may be left out (ROPE-FREQ's defaults apply)."""
     d = draw(as_strategy(head_dim, "head_dim") if head_dim is not None else head_dims(max_dim=max_dim), label="head_dim")
     if d < 2 or d % 2:
         raise ValueError(f"head_dim: expected an even int >= 2, got {d!r}")
@@ -123,8 +127,9 @@ def rope_params(draw, *, head_dim=None, max_dim: int = 64, scaled: bool = True):
         scaling["factor"] = draw(st.sampled_from([2.0, 4.0, 8.0]), label="factor")
     elif kind == "llama3":
         scaling["factor"] = draw(st.sampled_from([8.0, 2.0, 32.0]), label="factor")
-        for key, values in LLAMA3_OPTIONAL.items():   # each left out (the spec's default) or given, default or not
-            value = draw(st.one_of(st.none(), st.sampled_from(values)), label=key)
+        for key, values in LLAMA3_OPTIONAL.items():   # given (default or not), or with leave_out also left out
+            value = draw(st.one_of(st.none(), st.sampled_from(values)) if leave_out else st.sampled_from(values),
+                         label=key)
             if value is not None:
                 scaling[key] = value
     traditional = draw(layouts(), label="traditional")
@@ -132,11 +137,20 @@ def rope_params(draw, *, head_dim=None, max_dim: int = 64, scaled: bool = True):
     return {"d": d, "base": base, "scaling": scaling, "traditional": traditional, "inv_freqs": inv}
 
 
+#: GQA group sizes past the small ones: Llama-3-70B has 8 query heads per KV head, some models 16; 9 is the
+#: first size an 8-lane head mask gets wrong.
+WIDE_GROUPS = (4, 8, 9, 16)
+
+
 @st.composite
-def gqa_heads(draw, *, max_kv: int = 3, max_group: int = 3):
-    """(n_q, n_kv) with n_q = G * n_kv."""
-    n_kv = draw(st.integers(1, max_kv), label="n_kv")
-    G = draw(st.integers(1, max_group), label="G")
+def gqa_heads(draw, *, max_kv: int = 3, max_group: int = 16):
+    """(n_q, n_kv) with n_q = G * n_kv: G of 1-3 or one of WIDE_GROUPS (up to max_group; n_kv <= 2 then)."""
+    if not isinstance(max_group, int) or max_group < 1:
+        raise ValueError(f"max_group: expected an int >= 1, got {max_group!r}")
+    wide = [g for g in WIDE_GROUPS if 3 < g <= max_group]
+    small = st.integers(1, min(3, max_group))
+    G = draw(st.one_of(small, st.sampled_from(wide)) if wide else small, label="G")
+    n_kv = draw(st.integers(1, max_kv if G <= 3 else min(2, max_kv)), label="n_kv")
     return n_kv * G, n_kv
 
 
@@ -238,21 +252,32 @@ def scores_case(draw, *, max_T: int = 48, leads=None):
             "topk": topk, "seed": seed, "scores": s}
 
 
+#: Rows of one distance block of a blocked k-means (the reference's BLOCK_ROWS on the CPU): kmeans_points'
+#: ``past_block`` sizes straddle it, so a bug confined to one block shows.
+KMEANS_BLOCK = 512
+PAST_BLOCK_SIZES = (513, 700, 1100)
+
+
 @st.composite
-def kmeans_points(draw, *, max_N: int = 40, max_dim: int = 8, max_K: int = 6):
-    """Points z (N, d) with N >= K distinct points, and K."""
+def kmeans_points(draw, *, max_N: int = 40, max_dim: int = 8, max_K: int = 6, past_block: bool = False):
+    """Points z (N, d) with N >= K distinct points, and K. ``past_block``: N from PAST_BLOCK_SIZES (more than one
+    KMEANS_BLOCK), clustered; the cluster centres come back as ``centres``."""
     d = draw(st.integers(1, max_dim), label="d")
     K = draw(st.integers(1, max_K), label="K")
-    N = draw(st.integers(K, max(K, max_N)), label="N")
+    if past_block:
+        N = draw(st.sampled_from(PAST_BLOCK_SIZES), label="N")
+    else:
+        N = draw(st.integers(K, max(K, max_N)), label="N")
     seed = draw(seeds(), label="seed")
     rng = rng_from(seed)
-    clustered = draw(st.booleans(), label="clustered")
+    clustered = True if past_block else draw(st.booleans(), label="clustered")
+    centres = None
     if clustered:
         centres = normal(rng, (K, d), 5.0)
         z = centres[rng.integers(K, size=N)] + normal(rng, (N, d), 0.3)
     else:
         z = normal(rng, (N, d))
-    return {"z": z, "K": K, "N": N, "d": d, "seed": seed, "clustered": clustered}
+    return {"z": z, "K": K, "N": N, "d": d, "seed": seed, "clustered": clustered, "centres": centres}
 
 
 __all__ += ["leading_keys_case"]

@@ -53,6 +53,13 @@ def _round_bf16(x: np.ndarray) -> np.ndarray:
     return b.astype(np.uint32).view(np.float32)
 
 
+def _atol_text(atol, idx) -> str:
+    """An atol for a failure message: a scalar, or a per-entry bound (an error model) at the worst entry."""
+    if np.ndim(atol) == 0:
+        return f"{float(atol):g}"
+    return f"{float(np.broadcast_to(atol, np.shape(atol))[idx]):g} here (per-entry bound)"
+
+
 def round_to_dtype(x, dtype: str, *, param: bool = False):
     """Round a float array to ``dtype`` (bfloat16 -> float32 holding bfloat16 values). Others pass."""
     if not isinstance(x, np.ndarray) or x.dtype.kind != "f":
@@ -282,7 +289,8 @@ class Context:
                 clause,
                 f"{what}: {int(bad.sum())} of {bad.size} entries differ beyond tolerance",
                 f"worst at index {tuple(int(i) for i in idx)}: actual {act[idx]!r}, expected {exp[idx]!r}, "
-                f"|diff| {diff[idx]:.3g} > {bound[idx]:.3g} (rtol={r:g}, atol={a:g}); max |diff| {diff.max():.3g}",
+                f"|diff| {diff[idx]:.3g} > {bound[idx]:.3g} (rtol={r:g}, atol={_atol_text(a, idx)}); "
+                f"max |diff| {diff.max():.3g}",
             )
 
     def assert_equal(self, actual, expected, *, clause: str, what: str) -> None:

@@ -13,7 +13,7 @@ from a2ats_conformance.harness import capabilities
 from a2ats_conformance.harness import hypothesis_helpers as hh
 from a2ats_conformance.harness.adapter import get_member
 from a2ats_conformance.repro import TMP_PLACEHOLDER
-from a2ats_conformance.harness.decode_checks import check_decode
+from a2ats_conformance.harness.decode_checks import check_decode, check_head_counts
 from a2ats_conformance.harness.tolerances import tolerance
 from a2ats_spec import oracle
 
@@ -520,9 +520,12 @@ def _check_cache_decode(ctx, c, orc, q, clause, what=""):
                               what=f"{what}codes of KV head {g} at positions {idx[0]}..{idx[-1]}", values=dist[..., g, :, :])
     must, may = orc.decode_allowed(q, codes, lambda s: ctx.margin(clause, s))
     cfg = orc.config
+    scores = orc.decode_scores(q, codes)
+    sel = dict(query_pos=orc.offset - 1, w=cfg["w"], sinks=cfg["sinks"], topk=cfg["topk"])
     ctx.assert_mask_allowed(np.asarray(mask), must, may, clause=clause, what=f"{what}selected set (oracle cache, port's codes)",
-                            selection=dict(scores=orc.decode_scores(q, codes), query_pos=orc.offset - 1, w=cfg["w"],
-                                           sinks=cfg["sinks"], topk=cfg["topk"]))
+                            selection=dict(scores=scores, **sel))
+    check_head_counts(ctx, mask, scores, n_kv_heads=orc.n_kv, margin=ctx.margin(clause, scores), clause=clause,
+                      what=f"{what}selected set (oracle cache, port's codes)", **sel)
     r, a = tolerance(ctx.dtype, clause)
     ctx.assert_close(out, orc.attention(q, np.asarray(mask)), clause=clause, rtol=r, atol=a,
                      what=f"{what}output vs exact attention over the selected post-RoPE keys")
@@ -578,6 +581,10 @@ def test_batched_decode_rows(ctx, setup, B, T, split):
     orc.append(k, v)
     must, may = orc.decode_allowed(q, codes, lambda s: ctx.margin("CACHE-BATCH", s))
     ctx.assert_mask_allowed(mask, must, may, clause="CACHE-BATCH", what="batched selection (oracle cache, per row)")
+    scores = orc.decode_scores(q, codes)
+    check_head_counts(ctx, mask, scores, n_kv_heads=n_kv, query_pos=T - 1, w=config["w"], sinks=config["sinks"],
+                      topk=config["topk"], margin=ctx.margin("CACHE-BATCH", scores), clause="CACHE-BATCH",
+                      what="batched selection (oracle cache, per row)")
 
 
 @pytest.mark.clause("CACHE-DECODE", "CACHE-FAR-CODES", requires={"cache_ops": "decode"})
@@ -651,16 +658,26 @@ def _fixed_setup(*, d, n_q, n_kv, K, w, sinks, topk, b=2048, seed=7, scale=None)
 _HOST_CANDIDATES = 32_768   # past any threshold the reference has used (32,768 before 12,288)
 
 
+#: drawn examples of the host-path test per run, whatever the profile (each one a 32K-token cache)
+_HOST_EXAMPLES = 3
+
+
 @pytest.mark.clause("CACHE-DECODE", requires={"cache_ops": "decode"})
 # no shrinking: each step of it re-runs a 32K-token cache, and a failing port ran this test past the example
 # timeout (a "timeout" verdict instead of the failure); the unshrunk example is reported as drawn
-@settings(max_examples=1, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@settings(max_examples=_HOST_EXAMPLES, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(setup=cache_setup(head_dim=st.sampled_from([4, 8]), Ks=(1024, 256), heads=st.sampled_from([(4, 1), (2, 1), (4, 2)]),
                          topk=hh.topk_values(fractions=(0.05, 0.1), counts=(2000, 4000))),
        extra=st.integers(0, 2000))
+# one group of one head over 256 codes: ~128 tokens share each code, so the k-th score is a tie that the top-k
+# must split exactly (RET-SELECT's per-head count)
+@example(setup=None, extra=0)
 def test_host_selection_path(ctx, setup, extra):
-    """A decode over >= 32,768 candidates (tiny d, many codes, GQA groups of >= 2): large-T selection paths
-    (the reference's host top-k) give an allowed selection. One example per run, whatever the profile."""
+    """Decodes over >= 32,768 candidates (tiny d, many codes, GQA groups of >= 2 and one of 1): large-T selection
+    paths (the reference's host top-k) give an allowed selection, each head its exact top-k count. At this length
+    the k-th score falls in a code many tokens share, so the count decides how a tie is split."""
+    if setup is None:
+        setup = _fixed_setup(d=4, n_q=1, n_kv=1, K=256, w=64, sinks=8, topk=0.03)
     config, rng, notes = setup
     T = _HOST_CANDIDATES + config["w"] + config["sinks"] + extra
     ctx.note(**notes, T=T)
@@ -671,3 +688,40 @@ def test_host_selection_path(ctx, setup, extra):
     c.append(k, v)
     orc.append(k, v)
     _check_cache_decode(ctx, c, orc, _query(ctx, config, rng, T - 1), "CACHE-DECODE")
+
+
+#: prefill chunks of at least this many query x key pairs (2^20) run a2ats_ref's host prefill kernel through the
+#: hook (prefill.HOST_PREFILL_MIN); a port may have any such threshold, the suite makes sure some chunk passes it
+_LONG_PREFILL_PAIRS = 1 << 20
+
+
+@pytest.mark.clause("CACHE-CHUNK", requires={"cache_ops": "prefill"})
+@settings(max_examples=max(2, settings.default.max_examples // 16))   # each example a ~1M-pair prefill
+@given(setup=cache_setup(max_dim=8, heads=st.sampled_from([(1, 1), (2, 1), (4, 2)])), T=st.integers(1100, 1400),
+       cut=st.floats(0.0, 1.0))
+def test_long_prefill_chunks(ctx, setup, T, cut):
+    """A prompt in two chunks, the second of >= 2^20 query x key pairs (long prefills take other kernels: the
+    reference's host prefill through the attention hook): each chunk's prefill output equals the oracle cache's
+    (PREFILL, keys end-aligned: the second chunk's queries see the first chunk), and the codes are allowed."""
+    config, rng, notes = setup
+    longest = T - -(-_LONG_PREFILL_PAIRS // T)   # the second chunk [a, T) has >= 2^20 pairs when a <= longest
+    a = 1 + int(cut * (longest - 1))
+    ctx.note(**notes, T=T, chunks=[a])
+    _, k, v = _tokens(ctx, config, rng, 0, T)
+    q = ctx.cast(hh.normal(rng, (config["n_q_heads"], T, config["head_dim"])))
+    c = CacheCalls(ctx, config)
+    orc = _oracle_cache(c)
+    for lo, hi in ((0, a), (a, T)):
+        c.append(k[:, lo:hi], v[:, lo:hi])
+        orc.append(k[:, lo:hi], v[:, lo:hi])
+        if hi - lo > 1:
+            ctx.assert_close(c.prefill(q[:, lo:hi]), orc.prefill(q[:, lo:hi]), clause="CACHE-CHUNK",
+                             what=f"prefill output of chunk [{lo}, {hi}) ({(hi - lo) * hi} query x key pairs) vs the "
+                                  "oracle cache's")
+    codes = np.asarray(c.codes())
+    idx = np.unique(np.linspace(0, T - 1, 64).astype(np.int64))
+    dist = orc.code_distances(idx)
+    allowed = oracle.argmin_allowed(dist, ctx.margin("CACHE-CHUNK", dist))
+    for g in range(config["n_kv_heads"]):
+        ctx.assert_in_allowed(codes[g, idx], allowed[g], clause="CACHE-CHUNK", values=dist[g],
+                              what=f"codes after a long chunked prefill, KV head {g}")

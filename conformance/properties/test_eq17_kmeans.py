@@ -136,12 +136,17 @@ def test_kmeanspp_init_on_cdf_boundaries(ctx, case):
 
 
 def _lloyd_case(draw):
-    case = draw(hh.kmeans_points(), label="points")
+    # one draw in four spans more than one 512-row distance block (a bug confined to a block shows)
+    past_block = draw(st.sampled_from([False, False, False, True]), label="past_block")
+    case = draw(hh.kmeans_points(past_block=past_block), label="points")
     K = case["K"]
-    kind = draw(st.sampled_from(["from_points", "random", "with_far_centres"]), label="C_kind")
+    kinds = ["near_centres"] if past_block else ["from_points", "random", "with_far_centres"]
+    kind = draw(st.sampled_from(kinds), label="C_kind")
     rng = hh.rng_from(case["seed"] + 7)
     z = case["z"]
-    if kind == "from_points":
+    if kind == "near_centres":           # every point clearly nearest its own cluster's centre
+        C = case["centres"] + hh.normal(rng, case["centres"].shape, 0.05)
+    elif kind == "from_points":
         C = z[rng.choice(z.shape[0], K, replace=False)]
     else:
         C = hh.normal(rng, (K, z.shape[1]))
@@ -156,6 +161,8 @@ def _unambiguous(z, C, margin):
     srt = np.sort(dist, axis=1)
     if C.shape[0] > 1 and np.any(srt[:, 1] - srt[:, 0] <= margin):
         return False
+    if np.unique(np.argmin(dist, axis=1)).size == C.shape[0]:
+        return True                      # no empty cluster: the errors are never ranked
     err = np.sort(srt[:, 0])
     return not np.any(np.diff(err) <= margin)
 

@@ -1,4 +1,5 @@
-"""PREFILL (dense causal attention for query length > 1) and CODES-DTYPE."""
+"""PREFILL (dense causal attention for query length > 1, calibration's collection attention included) and
+CODES-DTYPE."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from a2ats_conformance.harness import hypothesis_helpers as hh
 from a2ats_spec import oracle
 
 
-@pytest.mark.clause("PREFILL")
+@pytest.mark.clause("PREFILL", needs=("prefill_attention",))
 @given(data=st.data())
 def test_prefill_attention_matches_oracle(ctx, data):
     """Dense causal attention with the queries end-aligned to the keys (query t at Tk - Tq + t), against the
@@ -27,6 +28,27 @@ def test_prefill_attention_matches_oracle(ctx, data):
     ctx.note(seed=seed, n_q=n_q, n_kv=n_kv, Tq=Tq, Tk=Tk, head_dim=d, dv=dv, scale=scale, lead=lead)
     ctx.check("prefill_attention", hh.normal(rng, lead + (n_q, Tq, d)), hh.normal(rng, lead + (n_kv, Tk, d)),
               hh.normal(rng, lead + (n_kv, Tk, dv)), scale=scale, clause="PREFILL")
+
+
+@pytest.mark.clause("PREFILL", needs=("collection_attention",))
+@given(data=st.data())
+def test_collection_attention_matches_oracle(ctx, data):
+    """Calibration's collection attention (mlx-lm's layout, B leading) is PREFILL's dense causal attention:
+    queries end-aligned to the keys (a later chunk's queries see the earlier chunks), query head h reading KV
+    head h // G. Long rows too (hundreds of keys, a kernel may split them into blocks and parts)."""
+    long = data.draw(st.booleans(), label="long")
+    n_q, n_kv = data.draw(st.sampled_from([(2, 1), (4, 2), (6, 3), (3, 3)]) if long else hh.gqa_heads(), label="heads")
+    d = data.draw(hh.head_dims(max_dim=16), label="head_dim")
+    Tk = data.draw(st.integers(513, 1100) if long else st.integers(1, 40), label="Tk")
+    Tq = data.draw(st.one_of(st.integers(1, min(Tk, 8)), st.integers(1, min(Tk, 400 if long else Tk))), label="Tq")
+    B = data.draw(st.integers(1, 2), label="B")
+    scale = data.draw(st.sampled_from([None, 0.25]), label="scale")
+    seed = data.draw(hh.seeds(), label="seed")
+    rng = hh.rng_from(seed)
+    ctx.note(seed=seed, B=B, n_q=n_q, n_kv=n_kv, Tq=Tq, Tk=Tk, head_dim=d, scale=scale)
+    ctx.check("collection_attention", hh.normal(rng, (B, n_q, Tq, d)), hh.normal(rng, (B, n_kv, Tk, d)),
+              hh.normal(rng, (B, n_kv, Tk, d)), scale=scale, clause="PREFILL",
+              what="collection attention (B, n_q, Tq, dv) vs dense causal attention, keys end-aligned")
 
 
 @pytest.mark.clause("CODES-DTYPE")

@@ -262,6 +262,15 @@ def test_retrieval_attention_matches_oracle(ctx, data):
 DECODE_SCALES = st.sampled_from([None, 0.3, 1.0])
 
 
+def own_token_on_its_code(k_pre, codes, C, i: int) -> None:
+    """RET-DECODE's own-token rule, as the suite draws it: the query's own token i gets the code of its key. Its
+    pre-RoPE key is put on its drawn codeword (k_i = C[g, codes[g, i]], in place), so that codeword is the
+    nearest to the key under any assignment metric (distance 0; drawn codewords are distinct), and a port that
+    codes the new token from its key, as the authors' decode does, reads the code it is handed."""
+    for g in range(codes.shape[0]):
+        k_pre[g, i] = C[g, codes[g, i]]
+
+
 def decode_case(draw, *, max_T=60, before_end=False):
     """A decode step over T cached tokens; the query at the last position T - 1, or (before_end) at a drawn
     i < T - 1 with the tokens after it still in the cache (a query replayed after later tokens were appended)."""
@@ -281,6 +290,7 @@ def decode_case(draw, *, max_T=60, before_end=False):
     q_pre, k_pre, v = _attn_inputs(rng, n_q, n_kv, T, d, d)
     C = hh.normal(rng, (n_kv, K, d))
     codes = rng.integers(0, K, size=(n_kv, T)).astype(oracle.code_dtype(K))
+    own_token_on_its_code(k_pre, codes, C, i)
     inv, t = p["inv_freqs"], p["traditional"]
     q_post = oracle.rope_apply(q_pre, np.full(n_q, i), inv, traditional=t)
     k_post = oracle.rope_apply(k_pre, np.arange(T), inv, traditional=t)
@@ -343,8 +353,9 @@ def near_tie_case(draw, *, dtype):
         want = gap * levels / scale                                          # target q_b · c
         C[g] += np.linalg.solve(Q @ Q.T, want - Q @ C[g].T).T @ Q          # move c within span(Q) onto its level
     k_pre, v = hh.normal(rng, (n_kv, T, d)), hh.normal(rng, (n_kv, T, d))
-    k_post = oracle.rope_apply(k_pre, np.arange(T), inv, traditional=t)
     codes = rng.integers(0, K, size=(n_kv, T)).astype(oracle.code_dtype(K))
+    own_token_on_its_code(k_pre, codes, C, T - 1)
+    k_post = oracle.rope_apply(k_pre, np.arange(T), inv, traditional=t)
     return dict(q_post=q_post, k_post=k_post, v=v, codes=codes, C=C, query_pos=T - 1, b=b, w=w, sinks=sinks,
                 topk=topk, inv_freqs=inv, traditional=t), dict(seed=seed, n_q=n_q, n_kv=n_kv, T=T, K=K, head_dim=d)
 

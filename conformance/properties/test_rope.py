@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from a2ats_conformance.harness import hypothesis_helpers as hh
@@ -18,14 +18,32 @@ def _llama3_example(d, base, type_key, **given):
 
 @pytest.mark.clause("ROPE-FREQ")
 @given(p=hh.rope_params())
+def test_inv_freqs_match_oracle(ctx, p):
+    """Every scaling type, the type under either key, llama3 dicts with all four keys (as released configs carry)."""
+    ctx.note(head_dim=p["d"], base=p["base"], scaling=p["scaling"])
+    ctx.check("rope_inv_freqs", p["d"], p["base"], p["scaling"], clause="ROPE-FREQ")
+
+
+@pytest.mark.clause("ROPE-FREQ", requires={"rope_scaling": "mlx_lm"})
+@settings(report_multiple_bugs=False)   # one failure with its reason, not a group of the explicit examples
+@given(p=hh.rope_params(leave_out=True))
 @example(p=_llama3_example(64, 500000.0, "rope_type"))   # every optional key left to its default (1, 4, 8192)
 @example(p=_llama3_example(64, 10000.0, "type", low_freq_factor=1.0, high_freq_factor=4.0))   # L0 = 8192
 @example(p=_llama3_example(32, 500000.0, "both", original_max_position_embeddings=8192))      # 1 and 4
-def test_inv_freqs_match_oracle(ctx, p):
-    """Defaults of left-out llama3 keys (ROPE-FREQ: low_freq_factor 1, high_freq_factor 4,
-    original_max_position_embeddings 8192) and the type under either key, as mlx-lm reads them."""
+def test_llama3_left_out_keys_take_the_defaults(ctx, p):
+    """ROPE-FREQ's defaults of left-out llama3 keys (low_freq_factor 1, high_freq_factor 4,
+    original_max_position_embeddings 8192), as mlx-lm fills them. A port that reads complete dicts only declares
+    capabilities {"rope_scaling": ("complete",)} and this test does not apply to it."""
     ctx.note(head_dim=p["d"], base=p["base"], scaling=p["scaling"])
-    ctx.check("rope_inv_freqs", p["d"], p["base"], p["scaling"], clause="ROPE-FREQ")
+    try:
+        ctx.check("rope_inv_freqs", p["d"], p["base"], p["scaling"], clause="ROPE-FREQ")
+    except KeyError as exc:
+        left_out = sorted(set(hh.LLAMA3_OPTIONAL) - set(p["scaling"] or {}))
+        ctx.fail("ROPE-FREQ", f"rope_inv_freqs raised KeyError({exc.args[0]!r}) on a llama3 rope_scaling that leaves "
+                 f"out {left_out}: ROPE-FREQ fills them with mlx-lm's defaults (low_freq_factor 1, high_freq_factor 4, "
+                 "original_max_position_embeddings 8192). A port that reads complete dicts only (transformers' llama3 "
+                 "rule indexes every key) declares capabilities = {'rope_scaling': ('complete',)}: the suite then "
+                 "draws complete dicts everywhere and reports this test not-applicable")
 
 
 #: Position forms ROPE-APPLY allows ("a scalar, a (T,) vector or any shape broadcasting against x.shape[:-1];
@@ -170,21 +188,25 @@ def test_rope_invert_is_per_token(ctx, data):
 
 
 #: Supported scaling types, each as a complete config (so either spelling can name it without a missing key).
-_SCALING_CONFIGS = {"default": {}, "linear": {"factor": 4.0}, "llama3": {"factor": 8.0}}
+_SCALING_CONFIGS = {"default": {}, "linear": {"factor": 4.0},
+                    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}}
 
 
-@pytest.mark.clause("ROPE-FREQ")
+@pytest.mark.clause("ROPE-FREQ", requires={"rope_scaling": "mlx_lm"})
 @given(d=hh.head_dims(), base=st.sampled_from(hh.BASES),
        kinds=st.permutations(sorted(_SCALING_CONFIGS)).map(lambda p: p[:2]))
 @example(d=64, base=500000.0, kinds=("linear", "llama3"))
 def test_inv_freqs_type_key_read_first(ctx, d, base, kinds):
     """ROPE-FREQ reads the type as mlx-lm does, ``scaling.get("type") or scaling.get("rope_type", "default")``:
     when the two spellings disagree, "type" wins (HF transformers reads "rope_type" first; a port that copies it
-    builds the other type's frequencies)."""
+    builds the other type's frequencies). No released config spells two types, so a port that reads complete,
+    unambiguous dicts only may declare capabilities {"rope_scaling": ("complete",)}."""
     by_type, by_rope_type = kinds
     params = {**_SCALING_CONFIGS["linear"], **_SCALING_CONFIGS["llama3"]}
     scaling = {**params, "type": by_type, "rope_type": by_rope_type}
     ctx.note(head_dim=d, base=base, scaling=scaling)
     ctx.check("rope_inv_freqs", d, base, scaling, clause="ROPE-FREQ",
               what=f"rope_inv_freqs with scaling {scaling} (type {by_type!r} wins over rope_type {by_rope_type!r}: "
-                   "mlx-lm reads scaling.get('type') first)")
+                   "mlx-lm reads scaling.get('type') first; transformers reads 'rope_type' first: a port that "
+                   "reads complete, unambiguous dicts only declares capabilities {'rope_scaling': ('complete',)})")

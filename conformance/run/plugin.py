@@ -28,10 +28,9 @@ from a2ats_conformance.run import xfails as _xf
 from a2ats_conformance.harness.adapter import (CACHE_FUNCTIONS, CLAUSE_FUNCTIONS, AdapterError, NotImplementedByIUT, describe,
                       has_function, load_adapter, resolve_iut_spec)
 from a2ats_conformance.harness.pytest_helpers import Context, ConformanceFailure
-from a2ats_conformance.reveal import BUDGET_S as REVEAL_BUDGET_S
 from a2ats_conformance.run.watchdog import DEFAULT_EXAMPLE_TIMEOUT_S, ExampleTimeout, dump_path, time_limit
 
-__all__ = ["PROFILES", "known_clauses", "item_clauses", "current_profile"]
+__all__ = ["PROFILES", "known_clauses", "item_clauses", "current_profile", "DTYPE_MATRIX_CLAUSES", "dtypes_for"]
 
 _HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large,
        HealthCheck.filter_too_much, HealthCheck.large_base_example]
@@ -180,7 +179,8 @@ def pytest_configure(config):
     _caps.set_current(caps)   # strategies read it at draw time (also on xdist workers: each runs this hook)
     clauses = config.getoption("clauses")
     config.stash[_STATE] = {
-        "adapter": adapter, "spec": spec, "dtypes": dtypes, "deviations": devs, "caps": caps,
+        "adapter": adapter, "spec": spec, "dtypes": dtypes, "dtype_default": want in (None, ""),
+        "deviations": devs, "caps": caps,
         "only": {c.strip() for c in clauses.split(",")} if clauses else None,
         "tests": {}, "t0": time.time(), "run_dir": config.getoption("a2ats_run_dir"),
     }
@@ -202,10 +202,27 @@ def pytest_report_header(config):
             f"hypothesis profile: {current_profile()}"]
 
 
+#: Clauses whose properties a default run (no --dtype) also runs at every half-precision dtype the IUT declares:
+#: users run float16 and bfloat16 models, and a bug of a half-precision branch (a kernel that drops the
+#: attention scale, scores in the input dtype) shows only there. The other clauses run at the first dtype.
+DTYPE_MATRIX_CLAUSES = frozenset({"RET-LUT", "RET-ATTN", "RET-DECODE", "PREFILL"})
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+def dtypes_for(st: dict, clauses) -> list[str]:
+    """The dtypes a test citing ``clauses`` runs at: the run's dtypes, plus the IUT's half-precision dtypes for
+    DTYPE_MATRIX_CLAUSES when the run chose none (--dtype left out)."""
+    dtypes = list(st["dtypes"])
+    if st.get("dtype_default") and DTYPE_MATRIX_CLAUSES.intersection(clauses):
+        dtypes += [d for d in st["adapter"].dtypes if d in HALF_DTYPES and d not in dtypes]
+    return dtypes
+
+
 def pytest_generate_tests(metafunc):
     if "dtype" in metafunc.fixturenames:
         st = metafunc.config.stash[_STATE]
-        metafunc.parametrize("dtype", st["dtypes"])
+        clauses = [c for m in metafunc.definition.iter_markers("clause") for c in m.args]
+        metafunc.parametrize("dtype", dtypes_for(st, clauses))
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -290,9 +307,8 @@ def pytest_runtest_call(item):
     if outcome.excinfo is not None and ctx.failures:   # diagnosis: only ever after a failure
         from a2ats_conformance.diagnose import explain_failure
 
-        try:   # diagnosis calls the IUT again (revealing search): it gets the same limit, after its own budget
-            with time_limit(limit and limit + REVEAL_BUDGET_S, dump):
-                explain_failure(item, ctx, outcome.excinfo[1])
+        try:   # diagnosis calls the IUT again (revealing search): each of those examples gets the same hang limit
+            explain_failure(item, ctx, outcome.excinfo[1], guard=lambda: time_limit(limit, dump))
         except ExampleTimeout:
             item.add_report_section("call", "a2ats diagnosis", "diagnosis stopped: the IUT did not return in time")
         except Exception as exc:  # noqa: BLE001 - diagnosis must never hide the failure it explains

@@ -452,6 +452,28 @@ def test_select_tokens_edges():
     assert 10 in np.flatnonzero(m[0]) and 12 not in np.flatnonzero(m[0]) and 12 in np.flatnonzero(m[1])
 
 
+@pytest.mark.clause("RET-SELECT")
+def test_head_counts_see_a_tie_taken_one_token_short():
+    """A tie at the k-th score: must ⊆ M ⊆ may holds for a selection one tied token short, the per-head count
+    does not; the exact top-k, a whole tie and the never-empty rule's own token all count right."""
+    s = np.array([[9.0, 5.0, 5.0, 5.0, 5.0, 1.0, 0.0, 0.0]])   # k = 3: one token above, a tie of 4 for 2 places
+    kw = dict(n_kv_heads=1, query_pos=7, w=0, sinks=0, topk=3)
+    exact = o.select_tokens(s, **kw)
+    short = exact.copy()
+    short[0, np.flatnonzero(exact[0])[-1]] = False
+    must, may = o.select_tokens_allowed(s, margin=0.0, **kw)
+    assert not (must & ~short).any() and not (short & ~may).any()           # the sets alone accept it
+    held = lambda m: o.select_tokens_head_counts(m, s, margin=0.0, **kw)      # noqa: E731
+    assert held(exact)[0].tolist() == [3] and held(exact)[2] == 3
+    assert held(short)[0].tolist() == [2]
+    assert held(may)[0].tolist() == [5] and held(may)[1].tolist() == [5]      # the whole tie: 5 held, 5 taken
+    own = o.select_tokens(s, n_kv_heads=1, query_pos=7, w=0, sinks=0, topk=0.01)   # count 0: only j = 7
+    assert o.select_tokens_head_counts(own, s, n_kv_heads=1, query_pos=7, w=0, sinks=0, topk=0.01,
+                                       margin=0.0)[1:] == (np.array([0]), 0)
+    with pytest.raises(ValueError, match="mask"):
+        o.select_tokens_head_counts(exact.astype(int), s, margin=0.0, **kw)
+
+
 @pytest.mark.clause("RET-TOPK")
 def test_topk_allowed_and_argmin_allowed():
     s = np.array([5.0, 3.0, 3.0, 1.0])

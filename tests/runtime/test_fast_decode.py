@@ -382,8 +382,22 @@ def test_conformance_checks_the_sortfree_path(tmp_path):
     from a2ats_conformance.run.cli import main
 
     out = tmp_path / "r.json"
+    known = tmp_path / "xfails.txt"
+    known.write_text(f"{SORTFREE_LONG_TIES}  # {SORTFREE_LONG_TIES_WHY}\n")
     code = main(["--iut", "a2ats_conformance.adapters.reference:SortFreeReference", "--profile", "selftest",
-                 "--seed", "0", "-q", "--clauses", "RET-DECODE,CACHE-DECODE,CACHE-TRIM", "--report-json", str(out)])
-    clauses = json.loads(out.read_text())["clauses"]
-    assert code == 0 and {c: v["status"] for c, v in clauses.items()} == {"RET-DECODE": "pass", "CACHE-DECODE": "pass",
+                 "--seed", "0", "-q", "--clauses", "RET-DECODE,CACHE-DECODE,CACHE-TRIM", "--report-json", str(out),
+                 "--xfails", str(known)])
+    rep = json.loads(out.read_text())
+    clauses = rep["clauses"]
+    assert code == 0 and {c: v["status"] for c, v in clauses.items()} == {"RET-DECODE": "pass", "CACHE-DECODE": "xfail",
                                                                           "CACHE-TRIM": "pass"}
+    # the known deviation is the only failure: every other CACHE-DECODE test of the sort-free path passes
+    bad = {k: v["outcome"] for k, v in rep["tests"].items() if v["outcome"] not in ("passed", "xfail")}
+    assert not bad, bad
+    assert [k for k, v in rep["tests"].items() if v["outcome"] == "xfail"] == [f"{SORTFREE_LONG_TIES}[float32]"]
+
+
+#: the sort-free step's known deviation at 32K tokens (RET-SELECT's per-head count), which the suite reports
+SORTFREE_LONG_TIES = "test_cache.py::test_host_selection_path"
+SORTFREE_LONG_TIES_WHY = ("sort-free step at 32K candidates, K = 1024, G = 4: a query head holds fewer than its "
+                          "top-k count of allowed tokens (a tie at the k-th score taken short)")

@@ -165,7 +165,7 @@ def test_each_deviation_is_named_when_applied(dev):
         if any(_same(outs[i], faithful[i], 1e-12, 1e-12) is False for i in outs):
             examples.append(_example(calls, outs))
     assert examples, f"{dev.id}: no probe shows the deviation"
-    causes = diagnose(examples, "float64", budget_s=1e9)
+    causes = diagnose(examples, "float64")
     tried = min(len(examples), MAX_EXAMPLES)
     mine = [c for c in causes if c["id"] == dev.id]
     assert mine and mine[0]["matched"] == mine[0]["of"] == tried, (dev.id, causes)
@@ -228,7 +228,7 @@ def test_a_cause_explaining_under_half_the_examples_is_also_consistent_not_likel
     calls, outs = next((c, o) for (c, o), f in zip(shown, FAITHFUL) if any(_same(o[i], f[i], 1e-12, 1e-12) is False
                                                                             for i in o))
     noisy = [_example(PROBES[0], {0: FAITHFUL[0][0] + 1e-3}), _example(PROBES[1], {0: FAITHFUL[1][0] + 1e-3})]
-    causes = diagnose([_example(calls, outs)] + noisy, "float64", budget_s=1e9)
+    causes = diagnose([_example(calls, outs)] + noisy, "float64", max_elements=10 ** 12)
     mine = next(c for c in causes if c["id"] == "b-missing")
     assert (mine["matched"], mine["of"], mine["likely"]) == (1, 3, False)
     text = "\n".join(help_lines(causes, 3))

@@ -14,6 +14,8 @@ FAITHFUL = {
     "port_fraction_topk:Adapter": (["RET-TOPK", "RET-SELECT", "RET-DECODE", "CODES-DTYPE", *_CACHE],
                                    {"CACHE-TRIM", "CACHE-SAVE"} | ({"CACHE-BATCH"} & set(_CACHE))),
     "port_own_rng:Adapter": (["EQ-17-INIT", "EQ-17-FIT"], set()),
+    "port_own_token_from_key:Adapter": (["RET-DECODE"], set()),
+    "port_hf_rope:Adapter": (["ROPE-FREQ"], set()),
     "port_half_layout:Adapter": (["INPUT-ERRORS", "ROPE-APPLY", "ROPE-INVERSE", "EQ-10", "EQ-11", "EQ-12",
                                   "RET-DECODE", *_CACHE], set()),
 }
@@ -38,6 +40,16 @@ def test_faithful_port_passes_ci_profile(run_suite, iut):
     if iut.startswith("port_own_rng"):   # only the stream-independent k-means properties ran
         ran = {k.split("[")[0].split("::")[-1] for k, v in rep["tests"].items() if v["outcome"] == "passed"}
         assert "test_seeding_frequencies_are_d2_weighted" in ran and "test_kmeanspp_init_matches_oracle" not in ran
+
+
+def test_hf_rope_port_without_its_declaration_is_told_why(run_suite):
+    """transformers' llama3 rule raises KeyError on a left-out key: undeclared, the port fails ROPE-FREQ with a
+    message that names the left-out keys, the defaults and the capability to declare."""
+    code, rep = run_suite("port_hf_rope:Undeclared", "--profile", "ci", "--seed", "0", "--clauses", "ROPE-FREQ")
+    assert code == 1 and rep["clauses"]["ROPE-FREQ"]["status"] == "fail"
+    msg = next(v["counterexample"]["message"] for k, v in rep["tests"].items()
+               if "test_llama3_left_out_keys_take_the_defaults" in k and v["outcome"] == "fail")
+    assert "KeyError" in msg and "leaves out" in msg and "'rope_scaling': ('complete',)" in msg, msg
 
 
 @pytest.mark.parametrize("name", sorted(U.UNFAITHFUL))
