@@ -318,7 +318,7 @@ def _spoil(path, how, outside):
             f.write(data)
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_hostile_vectors_and_answers_give_a_clear_error_or_a_verdict(base, tmp_path_factory, data):
