@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import checks
+from a2ats_ref import checks
 
 
 def code_dtype(K: int) -> np.dtype:

@@ -12,9 +12,9 @@ import numbers
 
 import mlx.core as mx
 
-from . import checks
-from .precision import mm
-from .rope import rope_apply
+from a2ats_ref import checks
+from a2ats_ref.precision import mm
+from a2ats_ref.rope import rope_apply
 
 
 def query_moment(queries, *, n_kv_heads: int, b: int, inv_freqs, traditional: bool, ridge: float = 1e-6) -> mx.array:

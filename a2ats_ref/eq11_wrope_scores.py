@@ -1,4 +1,4 @@
-"""EQ-11 — windowed RoPE (WRoPE) scores used to choose tokens.
+"""EQ-11 — windowed RoPE (WRoPE) scores that choose the tokens.
 
 u_ij = q_i R_{i-j} k_j^T when i - j < w (near: exact RoPE), else q_i R_b k_j^T
 (far: a fixed relative position b). q and k are pre-RoPE; there is no causal
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import checks
-from .precision import mm
-from .rope import rope_apply
+from a2ats_ref import checks
+from a2ats_ref.precision import mm
+from a2ats_ref.rope import rope_apply
 
 
 def _positions(p, n: int, name: str) -> mx.array:

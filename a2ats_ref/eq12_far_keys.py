@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import checks
-from .rope import rotate_unchecked, rotation_args
+from a2ats_ref import checks
+from a2ats_ref.rope import rotate_unchecked, rotation_args
 
 
 def far_keys_unchecked(k_post: mx.array, positions: mx.array, inv_freqs: mx.array, *, traditional: bool) -> mx.array:

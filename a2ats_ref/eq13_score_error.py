@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import checks
-from .precision import mm
+from a2ats_ref import checks
+from a2ats_ref.precision import mm
 
 
 def score_error(k, c, H) -> mx.array:

@@ -12,9 +12,9 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from . import checks
-from .codes import mx_code_dtype
-from .precision import mm
+from a2ats_ref import checks
+from a2ats_ref.codes import mx_code_dtype
+from a2ats_ref.precision import mm
 
 ROW_CHUNK = 8192
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import checks
+from a2ats_ref import checks
 
 
 def cholesky(H) -> mx.array:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import checks
-from .codes import code_dtype, mx_code_dtype
-from .eq14_assign import check_codebook_args, distance_operand, nearest_rows
-from .precision import mm
+from a2ats_ref import checks
+from a2ats_ref.codes import code_dtype, mx_code_dtype
+from a2ats_ref.eq14_assign import check_codebook_args, distance_operand, nearest_rows
+from a2ats_ref.precision import mm
 
 
 def z_transform(k, L) -> mx.array:

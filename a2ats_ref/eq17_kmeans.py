@@ -23,10 +23,10 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from . import checks
-from ._blas import gflops
-from .codes import mx_code_dtype
-from .precision import addmm
+from a2ats_ref import checks
+from a2ats_ref._blas import gflops
+from a2ats_ref.codes import mx_code_dtype
+from a2ats_ref.precision import addmm
 
 #: rows of z per distance block (a 512 x 4096 float32 block is 8 MiB): the GEMM of a 64-wide inner dimension
 #: runs well below BLAS peak on few rows, and 512 rows were 1.5x faster per Lloyd step than 128 at

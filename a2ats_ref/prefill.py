@@ -10,8 +10,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import checks
-from .retrieval import attend, attention_scale, gqa_group
+from a2ats_ref import checks
+from a2ats_ref.retrieval import attend, attention_scale, gqa_group
 
 
 def prefill_attention(q, k, v, *, scale=None) -> mx.array:

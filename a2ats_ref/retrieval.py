@@ -8,7 +8,7 @@ Query head h reads KV head h // G (contiguous groups, as in mlx-lm).
 
 decode_step is the clause function: readable, validated, a dense boolean mask over
 all T tokens. The runtime path (gather only the selected rows, so attention costs
-O(selected) instead of O(T)) is a2ats_ref.fast_decode.decode_step_fast, which the
+O(selected) instead of O(T)) is a2ats_ref.runtime.decode.portable.decode_step_fast, which the
 cache calls on every decode step; tests pin it to decode_step and the oracle.
 """
 
@@ -19,9 +19,9 @@ import numbers
 
 import mlx.core as mx
 
-from . import checks
-from .eq12_far_keys import far_query
-from .precision import mm
+from a2ats_ref import checks
+from a2ats_ref.eq12_far_keys import far_query
+from a2ats_ref.precision import mm
 
 
 def gqa_group(n_q: int, n_kv: int) -> int:

@@ -15,7 +15,7 @@ import numbers
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import checks
+from a2ats_ref import checks
 
 SUPPORTED_SCALING = ("default", "linear", "llama3")
 

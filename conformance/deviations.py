@@ -1,11 +1,11 @@
-"""Known deviations (issue 9, item 2): the bugs ports are known to have, each written as a variant of
+"""Known deviations: the bugs ports are known to have, each written as a variant of
 the float64 oracle, so that a failing example can be replayed through it (diagnose.py).
 
 ``Model`` is the oracle's algorithm composed from small hooks (which RoPE layout, which far position,
 where the window ends, how many tokens a head keeps, which query scores tokens, ...); every adapter
 callable and a NumPy cache are built from those hooks, so replacing one hook changes every function
 that depends on it, as the bug would in a port. The faithful ``Model()`` equals the oracle (checked in
-tests/test_diagnosis.py). A ``Deviation`` is a stable id, the sentence a port author reads, the
+tests/suite/test_diagnosis.py). A ``Deviation`` is a stable id, the sentence a port author reads, the
 callables it can change, and one or more ``Model`` subclasses (its variants: e.g. float16 or bfloat16).
 
 The ids are stable; tests and unfaithful test ports refer to them (table appended from DEVIATIONS):
@@ -173,8 +173,12 @@ class Model:
     def attention_scale(self, scale, d):     # RET-ATTN/RET-DECODE: the caller's scale, 1/sqrt(d) when None
         return 1.0 / math.sqrt(d) if scale is None else scale
 
+    def selection_query(self, q_post, k_post, query_pos):   # RET-LUT: the true query scores the tokens
+        return q_post
+
     def token_scores_for(self, q_post, k_post, codes, C, *, query_pos, b, w, inv, traditional, scale):
         """RET-LUT: LUT of q R_b (from the post-RoPE query at query_pos) indexed by the codes."""
+        q_post = self.selection_query(q_post, k_post, query_pos)
         q_b = self.far_query(q_post, b=self.far_b(b, w), inv_freqs=inv, traditional=traditional,
                              positions=query_pos)
         return _o.token_scores(self.lut(q_b, C, scale), np.asarray(codes))
@@ -340,6 +344,9 @@ class Model:
     def prefill_attention(self, q, k, v, *, scale=None):
         return _o.prefill_attention(q, k, v, scale=scale)
 
+    def collection_attention(self, q, k, v, *, scale=None):
+        return _o.collection_attention(q, k, v, scale=scale)
+
     def code_dtype(self, K):
         return _o.code_dtype(K)
 
@@ -385,7 +392,7 @@ class Model:
 class ModelCache(OracleCache):
     """OracleCache (spec/oracle_cache.py) with its codes and decode taken from a Model, so that a deviation
     of the model is a variant of the oracle cache. Trim hooks: ``trim_codes`` (drop the trimmed codes) and
-    ``trim_counter`` (roll back the position counter used to code later tokens). save/load keep the state
+    ``trim_counter`` (roll back the position counter that codes later tokens). save/load keep the state
     in memory: diagnosis replays run after the test's temporary files are gone."""
 
     trim_codes = True
@@ -692,16 +699,15 @@ def _int8_values(self, v):
     return np.round(v / s) * s
 
 
-def _proxy_scores(self, q_post, k_post, codes, C, *, query_pos, b, w, inv, traditional, scale):
-    """Each query head scored with its KV head's key at query_pos, standing in for the query."""
+def _proxy_query(self, q_post, k_post, query_pos):
+    """Each query head replaced by its KV head's key at query_pos, standing in for the query."""
     G = q_post.shape[-2] // k_post.shape[-3]
-    proxy = np.repeat(k_post[..., int(query_pos), :], G, axis=-2)
-    return Model.token_scores_for(self, proxy, k_post, codes, C, query_pos=query_pos, b=b, w=w, inv=inv,
-                                  traditional=traditional, scale=scale)
+    return np.repeat(k_post[..., int(query_pos), :], G, axis=-2)
 
 
 def _own_position_scores(self, q_post, k_post, codes, C, *, query_pos, b, w, inv, traditional, scale):
     """score[h, t] = scale · q_post[h] · (C[code_t] R_t): the codeword re-rotated at the token's position."""
+    q_post = self.selection_query(q_post, k_post, query_pos)
     c = np.asarray(codes).astype(np.int64)
     n_kv, T = c.shape[-2:]
     G = q_post.shape[-2] // n_kv
@@ -904,7 +910,7 @@ DEVIATIONS: tuple[Deviation, ...] = (
                 positions=None: Model.far_query(self, q, b=b, inv_freqs=inv_freqs, traditional=traditional))),
     _dev("key-as-proxy-query", "the incoming key used as a proxy query: tokens scored with the newest key instead "
          "of the query", _DECODE,
-         _model("ProxyQuery", "key as query", token_scores_for=_proxy_scores)),
+         _model("ProxyQuery", "key as query", selection_query=_proxy_query)),
     _dev("attention-scale-wrong", "attention logits scaled wrongly in the decode step: the scale passed (decode_step's "
          "scale, the cache's config['scale']) ignored for 1/sqrt(d), or 1/d used as the default", _DECODE,
          _model("ScaleIgnored", "always 1/sqrt(d)", attention_scale=lambda self, scale, d: 1.0 / math.sqrt(d)),
@@ -942,7 +948,7 @@ DEVIATIONS: tuple[Deviation, ...] = (
     _dev("trim-keeps-codes", "trim() drops keys, values and offset but keeps the trimmed tokens' codes for the "
          "tokens written in their place", {"make_cache"},
          _cache_model("TrimKeepsCodes", "stale codes", trim_codes=False)),
-    _dev("trim-keeps-position-counter", "trim() does not roll back the position counter used to de-rotate (and so "
+    _dev("trim-keeps-position-counter", "trim() does not roll back the position counter that de-rotates (and so "
          "code) later tokens", {"make_cache"},
          _cache_model("TrimKeepsCounter", "counter not rolled back", trim_counter=False)),
     _dev("decode-scores-uncoded", "codes assigned lazily by codes() only: the decode scores tokens not yet coded "
@@ -977,7 +983,7 @@ class DeviantAdapter:
         dev = deviation or self.deviation
         model = Model() if dev is None else by_id(dev).models()[self.variant if variant is None else variant]
         self.name = f"deviant model ({dev or 'faithful'})"
-        from .adapter import FUNCTION_NAMES
+        from a2ats_conformance.harness.adapter import FUNCTION_NAMES
 
         for fn in FUNCTION_NAMES + ("make_cache",):
             setattr(self, fn, getattr(model, fn))

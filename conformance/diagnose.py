@@ -1,4 +1,4 @@
-"""Likely cause of a failing clause (issue 9, item 2): replay its failing examples through every known
+"""Likely cause of a failing clause: replay its failing examples through every known
 deviation (deviations.py) and report each one that explains them.
 
 A failing example is the IUT's calls and outputs as Context recorded them. For one deviation variant,
@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 
 import numpy as np
 
-from .deviations import DEVIATIONS, Decoded, Deviation, Model
-from .repro import fill_placeholder, to_float64 as _up
-from .tolerances import tie_margin, tolerance
+from a2ats_conformance.deviations import DEVIATIONS, Decoded, Deviation, Model
+from a2ats_conformance.repro import fill_placeholder, to_float64 as _up
+from a2ats_conformance.harness.tolerances import tie_margin, tolerance
 
 __all__ = ["diagnose", "help_lines", "replay"]
 
@@ -149,7 +148,7 @@ def _same(port, other, rtol: float, atol: float):
 def _call_tolerance(dtype: str, clause: str, name: str) -> tuple[float, float]:
     """The loosest of the failing clause's tolerance and that of the clause defining the call: a port's
     output is compared here with a float64 model, as the call's own clause compares it."""
-    from .adapter import CLAUSE_FUNCTIONS
+    from a2ats_conformance.harness.adapter import CLAUSE_FUNCTIONS
 
     method = name.split(".", 1)[1] if name.startswith("cache") and "." in name else None
     own = [c for c, fs in CLAUSE_FUNCTIONS.items() if name in fs]
@@ -168,14 +167,17 @@ def _applies(dev: Deviation, name: str) -> bool:
     return name in dev.applies or (name.startswith("cache") and "make_cache" in dev.applies)
 
 
-def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict):
-    """The first variant of ``dev`` that explains the example (a Model class), else None."""
+def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict, work: list | None = None):
+    """The first variant of ``dev`` that explains the example (a Model class), else None. ``work``: a one-item
+    list that each replay adds the example's size to (diagnose's budget)."""
     calls, port = example["calls"], example["outputs"]
     idx = [i for i, (name, _, _) in enumerate(calls) if i in port and _applies(dev, name)]
     if not idx:
         return None
     tols = {i: _call_tolerance(dtype, example["clause"], calls[i][0]) for i in idx}
     for model in dev.models():
+        if work is not None:
+            work[0] += _size(example)
         deviant = replay(model, calls, _tie(dtype, example["clause"]), port)
         explained, consistent = False, True
         for i in idx:
@@ -196,9 +198,13 @@ def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict):
     return None
 
 
-#: bounds of one diagnosis: at most this many failing examples (the smallest), and this much time
+#: bounds of one diagnosis, in work and never in time (a verdict must not depend on the machine's load): at most
+#: MAX_EXAMPLES failing examples (the smallest), and at most MAX_REPLAY_ELEMENTS input elements replayed through
+#: the deviations' models in all (each replay of an example counts its size). The bound is far above the whole
+#: library on the suite's failing examples (a 32K-token cache decode replays through every deviation within it),
+#: so it only stops a diagnosis of examples much larger than the suite draws.
 MAX_EXAMPLES = 10
-BUDGET_S = 60.0
+MAX_REPLAY_ELEMENTS = 2_000_000_000
 
 
 def _size(example: dict) -> int:
@@ -206,33 +212,36 @@ def _size(example: dict) -> int:
                if isinstance(x, np.ndarray))
 
 
-def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS, budget_s: float = BUDGET_S) -> list[dict]:
-    """[{id, cause, matched, of}] for every deviation matching at least half as many failing examples as the
-    best one does, best first.
+def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS,
+             max_elements: int = MAX_REPLAY_ELEMENTS) -> list[dict]:
+    """[{id, cause, matched, of, likely}] for every deviation matching a failing example, best first; ``likely``
+    when it matches at least half of them (the others are "also consistent").
 
     ``examples``: Context failure snapshots ({clause, calls, outputs, notes}); ``of`` counts those tried
     (with at least one recorded IUT output; the MAX_EXAMPLES smallest). Deviations not reached within
-    ``budget_s`` are left out (the last entry then says so, with id None)."""
+    ``max_elements`` replayed input elements are left out (the last entry then says so, with id None), so the
+    same failing examples get the same diagnosis on any machine at any load."""
     usable = sorted((e for e in examples if e.get("outputs")), key=_size)[:MAX_EXAMPLES]
-    t0 = time.monotonic()
     faithful = [replay(Model(), e["calls"], _tie(dtype, e["clause"]), e["outputs"]) for e in usable]
+    work = [sum(_size(e) for e in usable)]
     found, skipped = [], []
     for dev in deviations:
-        if time.monotonic() - t0 > budget_s:
+        if work[0] > max_elements:
             skipped.append(dev.id)
             continue
-        which = [(e, _matches(dev, e, dtype, f)) for e, f in zip(usable, faithful)]
+        which = [(e, _matches(dev, e, dtype, f, work)) for e, f in zip(usable, faithful)]
         hits = [e for e, v in which if v is not None]
         if hits:
             found.append({"id": dev.id, "cause": dev.describe(hits, [v for _, v in which if v is not None]),
                           "matched": len(hits), "of": len(usable)})
     found.sort(key=lambda r: -r["matched"])   # stable: ties keep the library's order
-    # a cause that explains under half as many examples as the best one is a coincidence of small examples
-    # (a decode over a few tokens selects them all whatever the rule), not a second diagnosis
-    found = [r for r in found if 2 * r["matched"] >= found[0]["matched"]]
+    # a cause that explains under half of the failing examples is not likely: it is listed as "also consistent"
+    # (a decode over a few tokens selects them all whatever the rule, so small examples agree with many causes)
+    for r in found:
+        r["likely"] = 2 * r["matched"] >= r["of"]
     if skipped:
-        found.append({"id": None, "cause": f"diagnosis stopped after {budget_s:g} s; not tried: {', '.join(skipped)}",
-                      "matched": 0, "of": len(usable)})
+        found.append({"id": None, "cause": f"diagnosis stopped after replaying {work[0]:,} input elements "
+                      f"(limit {max_elements:,}); not tried: {', '.join(skipped)}", "matched": 0, "of": len(usable)})
     return found
 
 
@@ -242,26 +251,36 @@ def help_lines(causes: list[dict], n_examples: int, limit: int = 3) -> list[str]
     if not named:
         return [f"help: no known cause matched ({min(n_examples, MAX_EXAMPLES)} failing example(s) replayed "
                 f"through {len(DEVIATIONS)} known deviations)"] + notes
-    return [f"help: likely cause: {c['cause']}, matches {c['matched']}/{c['of']} failing examples [{c['id']}]"
-            for c in named[:limit]] + notes
+    likely = [c for c in named if c.get("likely", True)]
+    also = [c for c in named if not c.get("likely", True)]
+    lines = [f"help: likely cause: {c['cause']}, matches {c['matched']}/{c['of']} failing examples [{c['id']}]"
+             for c in likely[:limit]]
+    if not likely:
+        lines.append(f"help: no likely cause: none of the known deviations explains half of the "
+                     f"{named[0]['of']} failing examples replayed")
+    lines += [f"note: also consistent: {c['cause']}, matches {c['matched']}/{c['of']} failing examples [{c['id']}]"
+              for c in also[:limit]]
+    return lines + notes
 
 
 def _jsonable_notes(notes: dict) -> dict:
-    from .pytest_helpers import _jsonable   # plain JSON types: the report crosses pytest-xdist workers
+    from a2ats_conformance.harness.pytest_helpers import _jsonable   # plain JSON types: the report crosses pytest-xdist workers
 
     return {k: _jsonable(v.tolist() if isinstance(v, np.ndarray) else v) for k, v in notes.items()}
 
 
-def explain_failure(item, ctx, exc) -> None:
+def explain_failure(item, ctx, exc, guard=None) -> None:
     """After a failed test: search revealing examples, diagnose every failing example, and add the
-    ``help:`` lines to the failure message and ``likely_causes`` / ``revealing`` to the counterexample."""
-    from . import reveal
-    from .pytest_helpers import ConformanceFailure
+    ``help:`` lines to the failure message and ``likely_causes`` / ``revealing`` to the counterexample.
+    ``guard()``: a context manager around each revealing try that calls the IUT (the per-example hang limit)."""
+    from a2ats_conformance import reveal
+    from a2ats_conformance.harness.pytest_helpers import ConformanceFailure
 
     minimal = list(ctx.failures)
     last = ctx.last_failure
     seen = [e["notes"] for e in minimal]
-    revealing = [e for e in reveal.search(item, ctx) if e["notes"] not in seen]
+    revealing = [e for e in reveal.search(item, ctx, **({} if guard is None else {"guard": guard}))
+                 if e["notes"] not in seen]
     examples = minimal + revealing
     causes = diagnose(examples, ctx.dtype)
     n = sum(1 for e in examples if e.get("outputs"))

@@ -1,5 +1,5 @@
 """Mutant ports: the reference adapter with one realistic bug each.  The suite must reject every
-one of them, on the clause the bug violates (tests/test_mutants.py proves it).
+one of them, on the clause the bug violates (tests/suite/test_mutants.py proves it).
 
 Run one by hand:  a2ats-conformance --iut a2ats_conformance.mutants:FarKeysRotated --clauses EQ-12
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from a2ats_spec import oracle as _o
 
-from .adapters.reference import ReferenceAdapter, ReferenceCache
+from a2ats_conformance.adapters.reference import ReferenceAdapter, ReferenceCache
 
 __all__ = ["MUTANTS", "COVERAGE_MUTANTS", "GAP_MUTANTS", "Mutant"]
 
@@ -169,7 +169,7 @@ class FarQueryInAttention(Mutant):
 
 
 class _ForgetfulCache(ReferenceCache):
-    """trim() rolls back keys, values and offset, but not the position counter used to de-rotate
+    """trim() rolls back keys, values and offset, but not the position counter that de-rotates
     (and so to code) the tokens written afterwards."""
 
     def __init__(self, config, _cache=None):
@@ -198,7 +198,7 @@ class _ForgetfulCache(ReferenceCache):
 
 class TrimForgetsPositions(Mutant):
     expected_clause = "CACHE-TRIM"
-    bug = "cache trim does not roll back the position counter used to code later tokens"
+    bug = "cache trim does not roll back the position counter that codes later tokens"
 
     def make_cache(self, config):
         return _ForgetfulCache(config)
@@ -212,9 +212,9 @@ MUTANTS = {cls.__name__: cls for cls in (
 )}
 
 
-# --------------------------------------------------------------------------- coverage mutants (issue 9, item 7)
-# Bugs the suite of commit 1cf8c61 never reached: each names the coverage item whose property kills it
-# (tests/test_coverage_mutants.py proves the kill, and its docstring says how the old suite was shown to miss it).
+# --------------------------------------------------------------------------- coverage mutants
+# Bugs in code paths a suite can easily leave unreached: each names the coverage property that kills it
+# (tests/suite/test_coverage_mutants.py proves the kill on its clause).
 
 class Float16Lut(Mutant):
     expected_clause = "RET-DECODE"
@@ -310,20 +310,21 @@ class _HostPathHeadZeroCache(_SameClassOnLoad, ReferenceCache):
 
     def decode(self, q_post):
         import mlx.core as mx
-        from a2ats_ref import fast_decode as fd
+        from a2ats_ref.runtime.decode import portable as fd
+        from a2ats_ref.runtime.decode import dispatch
 
-        original, auto = fd._select_host, fd.auto_method
+        original, auto = fd._select_host, dispatch.auto_method
 
         def first_head_only(lut, codes, **kw):
             return original(mx.broadcast_to(lut[:, :1, :], lut.shape), codes, **kw)
 
         fd._select_host = first_head_only
         # the host path on every device (off the CPU, auto takes the sort-free step at any length)
-        fd.auto_method = lambda n, **shape: "host" if n >= fd.HOST_SELECT_MIN else auto(n, **shape)
+        dispatch.auto_method = lambda n, **shape: "host" if n >= fd.HOST_SELECT_MIN else auto(n, **shape)
         try:
             return super().decode(q_post)
         finally:
-            fd._select_host, fd.auto_method = original, auto
+            fd._select_host, dispatch.auto_method = original, auto
 
 
 class HostPathHeadZero(Mutant):
@@ -358,17 +359,16 @@ class ChunkRerotated(Mutant):
         return _ChunkRerotatedCache(config)
 
 
-#: name -> coverage mutant: each is missed by the suite of commit 1cf8c61 and killed on expected_clause
+#: name -> coverage mutant: each reaches a path a thin suite misses, and is killed on expected_clause
 COVERAGE_MUTANTS = {cls.__name__: cls for cls in (
     Float16Lut, BatchRowsReadRowZero, PositionsLowPrecision, HostPathHeadZero, ChunkRerotated,
 )}
 
 
-# --------------------------------------------------------------------------- gap mutants (audit of session 8)
-# Bugs the suite of commit 4fc9dfb let through at the ci profile, every clause run (a port-writer's audit of 20
-# new mutants, 12 survivors). Each class names the clause that must reject it (expected_clause), the property
-# that now does (gap: "file::test"), and, where the diagnosis catalogue has it, the known deviation its failure
-# must name (expected_cause, an id of conformance/deviations.py).
+# --------------------------------------------------------------------------- gap mutants
+# Bugs a port writer makes that pass a suite which only draws the easy cases. Each class names the clause that
+# must reject it (expected_clause), the property that does (gap: "file::test"), and, where the diagnosis
+# catalogue has it, the known deviation its failure must name (expected_cause, an id of conformance/deviations.py).
 GAP_MUTANTS: dict = {}
 
 
@@ -462,7 +462,7 @@ class Llama3WrongDefaults(Mutant):
     expected_clause = "ROPE-FREQ"
     bug = ("llama3 scaling: a left-out original_max_position_embeddings defaults to 4096 and high_freq_factor to 2 "
            "(spec and mlx-lm: 8192 and 4)")
-    gap = "test_rope.py::test_inv_freqs_match_oracle"
+    gap = "test_rope.py::test_llama3_left_out_keys_take_the_defaults"
     expected_cause = "llama3-defaults"
 
     def rope_inv_freqs(self, head_dim, base, scaling=None):
@@ -675,7 +675,7 @@ class _SaveDropsParamCache(ReferenceCache):
     def load(self, path):
         import dataclasses
 
-        from a2ats_ref.cache import A2ATSConfig
+        from a2ats_ref.runtime.cache import A2ATSConfig
 
         r = super().load(path)
         r._c.config = dataclasses.replace(r._c.config, **{self.param: getattr(A2ATSConfig(), self.param)})
@@ -712,7 +712,7 @@ class SaveDropsB(Mutant):
         return _SaveDropsBCache(config)
 
 
-# ---- gaps in EQ-13 to EQ-18 (second audit)
+# ---- gaps in EQ-13 to EQ-18
 def _first_L(L):
     """A stack of L (..., d, d) collapsed to its first matrix: the broadcast written as L[0]."""
     L = np.asarray(L)
@@ -784,7 +784,7 @@ class AssignSymmetrisesH(Mutant):
         return self._ref.assign(k, C, ((H + H.T) / 2).astype(np.float32))
 
 
-# ---- gaps in batched selection and batched prefill (second audit)
+# ---- gaps in batched selection and batched prefill
 @_gap
 class SelectBatchedStridedGroups(Mutant):
     expected_clause = "RET-SELECT"
@@ -852,7 +852,7 @@ class SaveBatchRowZero(Mutant):
         return _SaveRowZeroCache(config)
 
 
-# ---- gaps in ROPE-APPLY and ROPE-INVERSE positions (second audit)
+# ---- gaps in ROPE-APPLY and ROPE-INVERSE positions
 @_gap
 class RopeScalarAsOffset(Mutant):
     expected_clause = "ROPE-APPLY"
@@ -892,8 +892,8 @@ class RopeInvertFirstRowPositions(Mutant):
         return self._ref.rope_invert(x, p, inv_freqs, traditional=traditional)
 
 
-# ---- gaps of the third audit, area A (RoPE, EQ-10..12)
-# Bugs the suite of commit 3ce9183 passed at the ci profile (seeds 0 and 1) on their clause: b was only ever drawn at
+# ---- gaps in RoPE and EQ-10..12
+# Bugs that pass a suite in which b is only ever drawn at
 # values bfloat16 holds exactly, far_keys/far_query and wrope_scores only on 2-D inputs with explicit (T,) positions,
 # the two scaling-type keys never disagreed, and the INPUT-ERRORS of RoPE, EQ-10 and ROPE-FREQ were barely probed.
 
@@ -918,7 +918,7 @@ class QueryMomentBBfloat16(Mutant):
     expected_cause = "b-low-precision"
 
     def query_moment(self, queries, *, b, inv_freqs, traditional, **kw):
-        from .deviations import _round
+        from a2ats_conformance.deviations import _round
 
         # the reference rotates by b; rotating the queries by bf16(b) - b first makes that bf16(b) in all
         shift = float(_round(b, "bfloat16")) - b
@@ -1010,9 +1010,8 @@ class QueryMomentEpsNormalise(Mutant):
         return (H / (rms + 1e-12) + ridge * np.eye(d)).astype(np.float32)
 
 
-# ---- gaps of the third audit, area B (EQ-13..18, retrieval)
-# Bugs the suite of commit 3ce9183 passed at the ci profile (an audit of 20 mutants in EQ-13..18 and RET-*, 14
-# survivors); the eight below stand for them: leading dims, the k-means stop rule and returned codes, the int top-k
+# ---- gaps in EQ-13..18 and retrieval
+# Bugs that pass a suite drawing only the common shapes and counts; the eight below guard: leading dims, the k-means stop rule and returned codes, the int top-k
 # count 1, the never-empty rule beside sinks, a query before the last token, an empty selection, batched attention.
 @_gap
 class AssignZLeadingRowZero(Mutant):
@@ -1144,8 +1143,8 @@ class AttentionBatchRowZeroMask(Mutant):
         return self._ref.retrieval_attention(q, k, v, m, scale=scale)
 
 
-# ---- gaps of the third audit, area C (cache)
-# Cache bugs the suite of commit 3ce9183 passed at the ci profile (seeds 0 and 1): positions() never checked
+# ---- gaps in the cache
+# Cache bugs that pass a suite in which positions() is never checked
 # against the rule, codes' dtype checked only before the buffers grow, decodes checked only after codes() had
 # coded every token and only once per cache, load always called on the cache that saved, batch = 1 and batched
 # prefill inputs never drawn.
@@ -1338,3 +1337,330 @@ class PrefillPositiveAxes(Mutant):
         s = np.where(np.arange(Tk)[None, :] <= np.arange(Tq)[:, None] + shift, s, -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
         return (p / p.sum(-1, keepdims=True) @ v).astype(np.float32)
+
+
+# ---- what users have: GQA groups past 8 heads, k-means past one 512-row block, half-precision inputs
+# Each passed the suite whose draws stopped at groups of 3 heads, 40 k-means points and float32 inputs by default.
+
+@_gap
+class GroupUnionFirst8Heads(Mutant):
+    expected_clause = "RET-SELECT"
+    bug = "the GQA union keeps an 8-lane head mask: in groups of 9-16 query heads only the first 8 heads' top-k count"
+    gap = "test_retrieval.py::test_select_tokens_is_an_allowed_selection"
+
+    def select_tokens(self, scores, *, n_kv_heads, **kw):
+        s = np.asarray(scores)
+        G = s.shape[-2] // n_kv_heads
+        if G <= 8:
+            return self._ref.select_tokens(s, n_kv_heads=n_kv_heads, **kw)
+        lanes = np.arange(s.shape[-2]) % G < 8
+        return self._ref.select_tokens(s[..., lanes, :], n_kv_heads=n_kv_heads, **kw)
+
+
+#: rows of one distance block of the reference's k-means (a2ats_ref.eq17_kmeans.BLOCK_ROWS on the CPU)
+_KMEANS_BLOCK = 512
+
+
+@_gap
+class KmeansFirstBlockBias(Mutant):
+    expected_clause = "EQ-17-STEP"
+    bug = "Lloyd assignment over more than one 512-row block adds ||c||^2 twice to the first block's distances " \
+          "(a pipelined block prefetch that also adds the norms): rows 0..511 are pulled to small codewords"
+    gap = "test_eq17_kmeans.py::test_lloyd_step_matches_oracle"
+
+    def lloyd_step(self, z, C):
+        from a2ats_ref.eq17_kmeans import _fix_empty
+        from a2ats_spec.oracle import code_dtype
+
+        z64, C64 = _np(z), _np(C)
+        if z64.shape[0] <= _KMEANS_BLOCK:
+            return self._ref.lloyd_step(z, C)
+        c2 = np.sum(C64 ** 2, axis=1)
+        dist = c2[None, :] - 2.0 * z64 @ C64.T
+        dist[:_KMEANS_BLOCK] += c2[None, :]
+        codes = np.argmin(dist, axis=1)
+        err = np.sum((z64 - C64[codes]) ** 2, axis=1)
+        members = _fix_empty(codes, err, C64.shape[0])
+        C_new = np.stack([z64[members == k].mean(axis=0) for k in range(C64.shape[0])])
+        return C_new.astype(np.float32), codes.astype(code_dtype(C64.shape[0])), float(err.sum())
+
+
+@_gap
+class Float16ScaleDropped(Mutant):
+    expected_clause = "RET-ATTN"
+    bug = "with float16 inputs (a separate half-precision kernel) retrieval attention ignores an explicit scale and " \
+          "uses 1/sqrt(d)"
+    gap = "test_retrieval.py::test_retrieval_attention_matches_oracle"
+
+    def retrieval_attention(self, q, k, v, mask, *, scale=None):
+        if np.asarray(q).dtype == np.float16:
+            scale = None
+        return self._ref.retrieval_attention(q, k, v, mask, scale=scale)
+
+
+class _Float16LutOperandCache(_SameClassOnLoad, ReferenceCache):
+    """The cache's LUT operand Cᵀ is prepared in float16 (half the bytes), so every decode's LUT is a product of
+    float16 codewords: near ties are ranked wrongly."""
+
+    def __init__(self, config, _cache=None):
+        import mlx.core as mx
+
+        super().__init__(config, _cache)
+        cb = self._c.codebook
+        cb.__dict__["CT"] = cb.CT.astype(mx.float16)   # the cached_property's slot: every decode reads it
+
+
+@_gap
+class CacheFloat16LutOperand(Mutant):
+    expected_clause = "CACHE-DECODE"
+    bug = "the cache's LUT operand (C transposed) held in float16: the decode ranks near ties by float16 codewords"
+    gap = "test_cache_near_ties.py::test_cache_decode_near_ties"
+    expected_cause = "float16-lut"
+
+    def make_cache(self, config):
+        return _Float16LutOperandCache(config)
+
+
+# ---- gaps on the path make_a2ats_cache builds (the model's own RoPE: fast_rope, angle tables), the host decode
+# path and the host attention kernels (prefill through the hook, calibration's collection)
+class _PatchedCache(_SameClassOnLoad, ReferenceCache):
+    """A reference cache whose calls run with some a2ats_ref functions replaced: ``patches(self)`` returns
+    (module, name, replacement) triples, applied for the length of each protocol call only."""
+
+    def patches(self):
+        return []
+
+    def _run(self, method, *a, **kw):
+        saved = [(m, n, getattr(m, n)) for m, n, _ in self.patches()]
+        for m, n, f in self.patches():
+            setattr(m, n, f)
+        try:
+            return method(*a, **kw)
+        finally:
+            for m, n, f in reversed(saved):
+                setattr(m, n, f)
+
+    def append(self, keys_post, values):
+        return self._run(super().append, keys_post, values)
+
+    def decode(self, q_post):
+        return self._run(super().decode, q_post)
+
+    def prefill(self, q_post):
+        return self._run(super().prefill, q_post)
+
+    def codes(self):
+        return self._run(super().codes)
+
+    def save(self, path):
+        return self._run(super().save, path)
+
+
+def _fast_rope_codes(bug):
+    """assign_codes whose fast_rope branch (the model's own RoPE) is ``bug(k_post, positions, d, traditional,
+    fast_rope) -> k_pre``; the inv_freqs branch is left as it is."""
+    import mlx.core as mx
+    from a2ats_ref.runtime import cache as _cache
+    from a2ats_ref.eq16_z_transform import assign_z_unchecked
+
+    original = _cache.assign_codes
+
+    def assign_codes(k_post, positions, codebook, inv_freqs, *, traditional, fast_rope=None, host=False):
+        if fast_rope is None:
+            return original(k_post, positions, codebook, inv_freqs, traditional=traditional, host=host)
+        k_pre = bug(k_post.astype(mx.float32), positions, k_post.shape[-1], traditional, fast_rope)
+        return assign_z_unchecked(k_pre, codebook.Cz, codebook.L, codebook.z_operands, host=host)
+
+    return assign_codes
+
+
+def _undo_tables(k, positions, d, traditional, fast_rope):
+    from a2ats_ref.rope import applied_cos_sin, rotate_by_tables
+
+    c, s = applied_cos_sin(positions, d, traditional, fast_rope)
+    return rotate_by_tables(k, c, s, traditional, -1.0)
+
+
+class _CodesPostRopeCache(_PatchedCache):
+    def patches(self):
+        from a2ats_ref.runtime import cache as _cache
+        return [(_cache, "assign_codes", _fast_rope_codes(lambda k, p, d, t, fr: k))]
+
+
+@_gap
+class FastRopeCodesPostRope(Mutant):
+    expected_clause = "CACHE-FAR-CODES"
+    bug = "with the model's own RoPE (fast_rope), codes are assigned from the post-RoPE keys (no de-rotation)"
+    gap = "test_cache.py::test_decode_matches_oracle"
+
+    def make_cache(self, config):
+        return _CodesPostRopeCache(config)
+
+
+class _BatchFirstPositionCache(_PatchedCache):
+    def patches(self):
+        from a2ats_ref.runtime import cache as _cache
+
+        def first_only(k, p, d, t, fr):
+            start = p.start if isinstance(p, range) else int(p.reshape(-1)[0].item())
+            return _undo_tables(k, range(start, start + 1), d, t, fr)   # (1, d/2) tables broadcast over the batch
+        return [(_cache, "assign_codes", _fast_rope_codes(first_only))]
+
+
+@_gap
+class FastRopeBatchFirstPosition(Mutant):
+    expected_clause = "CACHE-FAR-CODES"
+    bug = "with the model's own RoPE, every key of a coding batch is de-rotated at the batch's first position"
+    gap = "test_cache.py::test_decode_matches_oracle"
+
+    def make_cache(self, config):
+        return _BatchFirstPositionCache(config)
+
+
+class _TraditionalIgnoredCache(_PatchedCache):
+    def patches(self):
+        from a2ats_ref.runtime import cache as _cache
+        return [(_cache, "assign_codes", _fast_rope_codes(lambda k, p, d, t, fr: _undo_tables(k, p, d, False, fr)))]
+
+
+@_gap
+class FastRopeTraditionalIgnored(Mutant):
+    expected_clause = "CACHE-FAR-CODES"
+    bug = "with the model's own RoPE, keys are de-rotated in the half-split layout whatever `traditional` says"
+    gap = "test_cache.py::test_decode_matches_oracle"
+
+    def make_cache(self, config):
+        return _TraditionalIgnoredCache(config)
+
+
+class _Bf16PositionsFastRopeCache(_PatchedCache):
+    def patches(self):
+        import mlx.core as mx
+        from a2ats_ref.runtime import cache as _cache
+
+        def rounded(k, p, d, t, fr):
+            pos = mx.arange(p.start, p.stop) if isinstance(p, range) else p
+            return _undo_tables(k, pos.astype(mx.bfloat16).astype(mx.int32), d, t, fr)
+        return [(_cache, "assign_codes", _fast_rope_codes(rounded))]
+
+
+@_gap
+class FastRopePositionsBfloat16(Mutant):
+    expected_clause = "CACHE-FAR-CODES"
+    bug = "with the model's own RoPE, key positions pass through bfloat16 before the de-rotation (wrong past 256)"
+    gap = "test_cache.py::test_long_positions"
+
+    def make_cache(self, config):
+        return _Bf16PositionsFastRopeCache(config)
+
+
+class _QueryAngleNextCache(_PatchedCache):
+    """The query's angle table is read at offset, one past the query's own position offset - 1."""
+
+    def patches(self):
+        import mlx.core as mx
+        from a2ats_ref.runtime import cache as _cache
+        from a2ats_ref.rope import applied_cos_sin
+
+        def query_angle(c):
+            if c.fast_rope is None:
+                return None
+            cs, sn = applied_cos_sin(mx.array([c.offset]), c.codebook.head_dim, c.traditional, c.fast_rope)
+            return cs[0], sn[0]
+        return [(_cache.A2ATSCache, "_query_angle", query_angle)]
+
+
+@_gap
+class FastRopeQueryAngleNext(Mutant):
+    expected_clause = "CACHE-DECODE"
+    bug = "with the model's own RoPE, the decode query is de-rotated at offset (the next token), not offset - 1"
+    gap = "test_cache.py::test_decode_matches_oracle"
+
+    def make_cache(self, config):
+        return _QueryAngleNextCache(config)
+
+
+class _OneTiedTooFewCache(_PatchedCache):
+    """Host top-k: of a tie that straddles a head's k-th score, one token fewer than needed is taken (the first
+    head of each group; the tie of the others stays right)."""
+
+    def patches(self):
+        import mlx.core as mx
+        from a2ats_ref.runtime.decode import dispatch
+        from a2ats_ref.runtime.decode import portable as fd
+
+        original, auto = fd._select_host, dispatch.auto_method
+
+        def one_too_few(lut, codes, *, BH, G, K, kk, c0, c1, bucket):
+            idx, keep = original(lut, codes, BH=BH, G=G, K=K, kk=kk, c0=c0, c1=c1, bucket=bucket)
+            L, cds = np.asarray(lut), np.asarray(codes).reshape(BH, -1)
+            idx, keep = np.array(idx), np.array(keep)
+            for g in range(BH):
+                cand = L[g, 0, cds[g, c0:c1]]
+                thr = np.sort(cand)[::-1][kk - 1]
+                taken = idx[g][keep[g]]
+                tied = taken[L[g, 0, cds[g, taken]] == thr]
+                if 0 < len(tied) < int((cand == thr).sum()):
+                    keep[g, idx[g] == tied.max()] = False
+            return mx.array(idx), mx.array(keep)
+
+        # the host path on every device (off the CPU, auto takes the sort-free step at any length)
+        pick = lambda n, **shape: "host" if n >= fd.HOST_SELECT_MIN else auto(n, **shape)  # noqa: E731
+        return [(fd, "_select_host", one_too_few), (dispatch, "auto_method", pick)]
+
+
+@_gap
+class HostTopkOneTiedTooFew(Mutant):
+    expected_clause = "CACHE-DECODE"
+    bug = "host top-k (>= HOST_SELECT_MIN candidates) takes one token too few of a tie at a head's k-th score"
+    gap = "test_cache.py::test_host_selection_path"
+
+    def make_cache(self, config):
+        return _OneTiedTooFewCache(config)
+
+
+class _HostPrefillStartAlignedCache(_PatchedCache):
+    """The host prefill (causal_attention_host) aligns its causal mask to the start: query t sees keys <= t,
+    right only for a first chunk (Tq = Tk)."""
+
+    def patches(self):
+        from a2ats_ref import prefill as _prefill
+
+        original = _prefill.causal_attention_host
+
+        def start_aligned(queries, keys, values, *, scale):
+            Tq = queries.shape[2]
+            return original(queries, keys[:, :, :Tq], values[:, :, :Tq], scale=scale)
+        return [(_prefill, "causal_attention_host", start_aligned)]
+
+
+@_gap
+class HostPrefillStartAligned(Mutant):
+    expected_clause = "CACHE-CHUNK"
+    bug = "host prefill (>= HOST_PREFILL_MIN query x key pairs, through the hook) masks queries start-aligned: " \
+          "a later chunk's query t sees keys <= t instead of <= offset + t"
+    gap = "test_cache.py::test_long_prefill_chunks"
+
+    def make_cache(self, config):
+        return _HostPrefillStartAlignedCache(config)
+
+
+@_gap
+class CollectionStridedGroups(Mutant):
+    expected_clause = "PREFILL"
+    bug = "calibration's collection attention groups query heads strided: head h reads KV head h % n_kv, not h // G"
+    gap = "test_prefill_codes.py::test_collection_attention_matches_oracle"
+
+    def collection_attention(self, q, k, v, *, scale=None):
+        import mlx.core as mx
+        from a2ats_ref.calibration.collect import causal_attention
+
+        q = np.asarray(q, np.float32)
+        n_q, n_kv = q.shape[-3], np.shape(k)[-3]
+        G = n_q // n_kv
+        perm = [(h % n_kv) * G + h // n_kv for h in range(n_q)]   # head h sits where KV head h % n_kv's group is
+        moved = np.empty_like(q)
+        moved[..., perm, :, :] = q
+        out = causal_attention(mx.array(moved), mx.array(np.asarray(k, np.float32)), mx.array(np.asarray(v, np.float32)),
+                               scale=float(scale if scale is not None else q.shape[-1] ** -0.5))
+        return np.asarray(out)[..., perm, :, :]

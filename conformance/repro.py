@@ -20,9 +20,9 @@ import numpy as np
 
 from a2ats_spec import oracle
 
-from .adapter import AdapterError, load_adapter
-from .pytest_helpers import to_numpy
-from .tolerances import tolerance
+from a2ats_conformance.harness.adapter import AdapterError, load_adapter
+from a2ats_conformance.harness.pytest_helpers import to_numpy
+from a2ats_conformance.harness.tolerances import tolerance
 
 __all__ = ["TMP_PLACEHOLDER", "load_counterexample", "replay", "diff_text", "fill_placeholder", "main"]
 

@@ -1,10 +1,11 @@
-"""Informative counterexamples (issue 9, item 3): after a failure, look for failing examples in the
+"""Informative counterexamples: after a failure, look for failing examples in the
 region where causes show, beside Hypothesis's minimal example.
 
 Shrinking drives an example to the degenerate corner where a bug may be invisible (b = 0 hides a
 missing R_b; a one-token cache hides everything but the values). So the test body is run again with
 fresh draws from its own strategies, bounded in tries and time, and the failing examples whose drawn
-parameters (``ctx.note``) lie in the region are kept:
+parameters (``ctx.note``) lie in the region are kept. The search is bounded by work (tries and the
+input elements the tries hand the IUT), never by time, so its result does not depend on the machine's load:
 
 - b >= 1;
 - K >= 2;
@@ -17,21 +18,28 @@ saved as its own counterexample (``<test>-revealing.npz``) and reported; all of 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-import time
 
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from a2ats_spec import oracle
 
-from .pytest_helpers import ConformanceFailure
+from a2ats_conformance.harness.pytest_helpers import ConformanceFailure
 
 __all__ = ["in_region", "region_text", "search"]
 
-#: bounds of one search: a few seconds, a few hundred tries, a handful of failing examples
+#: bounds of one search: a few hundred tries, a handful of failing examples, and at most MAX_ELEMENTS array
+#: elements handed to the IUT in all (a few hundred small examples, or a few of the 32K-token cache decodes)
 MAX_TRIES = 300
-BUDGET_S = 4.0
+MAX_ELEMENTS = 20_000_000
 WANT = 5
+
+
+def _elements(calls) -> int:
+    import numpy as np
+
+    return sum(np.size(x) for _, args, kw in calls for x in (*args, *kw.values()) if isinstance(x, np.ndarray))
 
 
 def _visible(notes: dict):
@@ -80,9 +88,11 @@ def region_text(notes: dict) -> str:
     return ", ".join(parts) or "any fresh example"
 
 
-def search(item, ctx, *, max_tries: int = MAX_TRIES, budget_s: float = BUDGET_S, want: int = WANT) -> list[dict]:
+def search(item, ctx, *, max_tries: int = MAX_TRIES, max_elements: int = MAX_ELEMENTS, want: int = WANT,
+           guard=contextlib.nullcontext) -> list[dict]:
     """Failing examples in the region, found by re-running the test body; ctx's state is left as it was
-    apart from the returned snapshots. Empty when the test is not a Hypothesis test."""
+    apart from the returned snapshots. Empty when the test is not a Hypothesis test. ``guard()``: a context
+    manager around each try (the plugin's per-example hang limit)."""
     h = getattr(getattr(item, "obj", None), "hypothesis", None)
     strategies = getattr(h, "_given_kwargs", None)
     if h is None or not strategies:
@@ -91,20 +101,23 @@ def search(item, ctx, *, max_tries: int = MAX_TRIES, budget_s: float = BUDGET_S,
     fixtures = {n: item.funcargs[n] for n in params if n in item.funcargs and n not in strategies}
     saved = (ctx.calls, ctx.outputs, ctx.notes, ctx.failures, ctx.last_failure, ctx.examples)
     found: list[dict] = []
-    t0 = time.monotonic()
+    work = [0]
 
     def body(**drawn):
-        if len(found) >= want or time.monotonic() - t0 > budget_s:
+        if len(found) >= want or work[0] > max_elements:
             raise _Done   # before any draw from ``drawn``: Hypothesis stops here (no shrink phase)
         ctx.begin_example()
         ctx.failures = []
         try:
-            h.inner_test(**fixtures, **drawn)
+            with guard():
+                h.inner_test(**fixtures, **drawn)
         except ConformanceFailure:
             if ctx.failures and in_region(ctx.failures[-1]["notes"]):
                 found.append(ctx.failures[-1])
         except Exception:  # noqa: BLE001 - other errors are not what we are looking for
             pass
+        finally:
+            work[0] += _elements(ctx.calls)
 
     run = settings(max_examples=max_tries, phases=[Phase.generate], database=None, deadline=None,
                    suppress_health_check=list(HealthCheck))(seed(0)(given(**strategies)(body)))

@@ -22,8 +22,8 @@ __all__ = [
     "assign", "assign_distances", "cholesky", "z_transform", "assign_z", "assign_z_distances",
     "kmeanspp_init", "lloyd_step", "kmeans", "back_transform",
     # RET-*, PREFILL, CODES-DTYPE
-    "lut_scores", "token_scores", "topk_count", "select_tokens", "select_tokens_allowed",
-    "retrieval_attention", "decode_step", "prefill_attention", "code_dtype",
+    "lut_scores", "token_scores", "topk_count", "select_tokens", "select_tokens_allowed", "select_tokens_head_counts",
+    "retrieval_attention", "decode_step", "prefill_attention", "collection_attention", "code_dtype",
     # near-tie helpers
     "topk_allowed", "argmin_allowed",
     "SUPPORTED_ROPE_TYPES",
@@ -317,7 +317,7 @@ def wrope_scores(q: Any, k: Any, *, w: int, b: int, inv_freqs: Any, traditional:
     Tq, Tk = q.shape[-2], k.shape[-2]
     pq = _positions(q_positions, Tq, "q_positions")
     pk = _positions(k_positions, Tk, "k_positions")
-    # near: q_i R_{i-j} k_jᵀ = (q_i R_i)(k_j R_j)ᵀ because R_i R_jᵀ = R_{i-j} (checked in tests/test_oracle.py)
+    # near: q_i R_{i-j} k_jᵀ = (q_i R_i)(k_j R_j)ᵀ because R_i R_jᵀ = R_{i-j} (checked in tests/oracle/test_oracle.py)
     near = rope_apply(q, pq, om, traditional=traditional) @ np.swapaxes(
         rope_apply(k, pk, om, traditional=traditional), -1, -2)
     # far: (q_i R_b) k_jᵀ, the key side carries no position
@@ -731,6 +731,29 @@ def select_tokens_allowed(scores: Any, *, n_kv_heads: int, query_pos: int, w: in
     return must | forced, may | forced
 
 
+def select_tokens_head_counts(mask: Any, scores: Any, *, n_kv_heads: int, query_pos: int, w: int, sinks: int,
+                              topk: float | int, margin: float) -> tuple[np.ndarray, np.ndarray, int]:
+    """RET-SELECT. Per-head count: (held (..., n_q), taken (..., n_kv), k) for a selection mask (..., n_kv, T).
+
+    k is the number of candidates each query head's top-k takes (RET-TOPK); held[h] counts the mask's
+    candidates (on head h's KV row) that lie in head h's allowed top-k set (topk_allowed's ``may``: ties and
+    near ties resolved by the allowed set); taken[g] counts the mask's candidates on KV row g. A selection
+    made of each head's own k tokens has held >= k for every head (select_tokens also taken <= G k; a decode
+    step may take a tie at the k-th score whole). A top-k that takes one tied token too few has held = k - 1.
+    """
+    s, n_kv, G = _check_scores(scores, n_kv_heads)
+    T = s.shape[-1]
+    m = np.asarray(mask)
+    if m.dtype != np.bool_ or m.shape != s.shape[:-2] + (n_kv, T):
+        raise ValueError(f"mask: expected a bool array of shape {s.shape[:-2] + (n_kv, T)}, got {m.dtype} {m.shape}")
+    i, forced, cand = _selection_regions(T, query_pos, w, sinks)
+    count = topk_count(i + 1, topk, int(cand.sum()))
+    cand_idx = np.flatnonzero(cand & ~_never_empty(forced, count, i))   # the own token of the never-empty rule
+    _, may_h = topk_allowed(s[..., cand_idx], count, margin)
+    on_row = np.repeat(m[..., cand_idx], G, axis=-2)   # query head h reads KV row h // G
+    return (on_row & may_h).sum(axis=-1), m[..., cand_idx].sum(axis=-1), count
+
+
 def argmin_allowed(dist: Any, margin: float) -> np.ndarray:
     """EQ-14. Allowed argmin set over the last axis under near ties: dist <= min(dist) + margin."""
     dist = _array(dist, "dist", min_ndim=1)
@@ -840,6 +863,19 @@ def prefill_attention(q: Any, k: Any, v: Any, *, scale: float | None = None) -> 
         p = _softmax_rows(logits, causal)
         out[..., h, :, :] = np.einsum("...ij,...jv->...iv", p, v[..., g, :, :])
     return out
+
+
+def collection_attention(q: Any, k: Any, v: Any, *, scale: float | None = None) -> np.ndarray:
+    """PREFILL. Calibration's collection attention (the attention it runs between layers), mlx-lm's layout.
+
+    q (B, n_q, Tq, d), k (B, n_kv, Tk, d), v (B, n_kv, Tk, dv), Tk >= Tq -> (B, n_q, Tq, dv): dense causal
+    attention with the queries end-aligned to the keys (a later chunk's queries see every earlier chunk).
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if np.ndim(x) != 4:
+            raise ValueError(f"{name}: expected 4 axes (B, heads, T, d) as mlx-lm's attention passes, got shape "
+                             f"{np.shape(x)}")
+    return prefill_attention(q, k, v, scale=scale)
 
 
 def code_dtype(K: int) -> np.dtype:

@@ -2,9 +2,18 @@
 `on_cpu` runs a test on MLX's CPU device."""
 
 import json
+import sys
+from pathlib import Path
+
+# Shared helper modules (test_cache_support, test_calib_tiny, test_codebook_file, gguf_writer) are imported by
+# name from every folder, and from the children that tests start with this folder list as PYTHONPATH.
+HELPER_DIRS = [str(Path(__file__).parent / sub) for sub in ("runtime", "calibration")]
+for _d in HELPER_DIRS:
+    if _d not in sys.path:
+        sys.path.insert(0, _d)
 
 # Full float32 matmuls on GPUs and a JIT cache of this process's own, before MLX runs (suite_env says why).
-from a2ats_ref.suite_env import exchange, pin_suite_process  # noqa: E402
+from a2ats_conformance.harness.suite_env import exchange, pin_suite_process  # noqa: E402
 
 pin_suite_process()
 
@@ -30,7 +39,7 @@ def _reports_match_the_shipped_schema(request):
         except (OSError, ValueError, RecursionError):   # a hostile file a test wrote, not a report
             continue
         if isinstance(data, dict) and "clauses" in data and "summary" in data:   # a conformance report
-            from a2ats_conformance.report import validate_report
+            from a2ats_conformance.report.writer import validate_report
 
             validate_report(data)
 
@@ -53,7 +62,7 @@ def rejected_on_its_clause(tmp_path):
     (selftest profile, seed 0), after asserting the run rejected it there: exit 1, the clause failed, and the
     counterexample names the clause. Each mutant set's test adds its own checks on the verdict."""
     from a2ats_conformance import mutants
-    from a2ats_conformance.cli import main
+    from a2ats_conformance.run.cli import main
 
     def run(name):
         cls = getattr(mutants, name)

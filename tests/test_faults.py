@@ -1,6 +1,6 @@
-"""Fault injection (issue 10): bad inputs, interrupted writes, stale or concurrent runs.
+"""Fault injection: bad inputs, interrupted writes, stale or concurrent runs.
 
-Each test pins one failure mode that used to give a silent wrong result, a lost file or a raw traceback.
+Each test pins one failure mode that would give a silent wrong result, a lost file or a raw traceback.
 Sizes are tiny; kills run in subprocesses.
 """
 
@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from a2ats_ref import checks
-from a2ats_ref.cache import A2ATSCache, A2ATSConfig, make_a2ats_cache
-from a2ats_ref.codebook import Codebook, CodebookError, model_identity
+from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig, make_a2ats_cache
+from a2ats_ref.runtime.codebook import Codebook, CodebookError, model_identity
 from a2ats_ref.eq10_query_moment import query_moment
 from a2ats_ref.eq14_assign import assign
 from a2ats_ref.eq16_z_transform import assign_z
-from a2ats_ref.gguf import weights_fingerprint
+from a2ats_ref.files.gguf import weights_fingerprint
 from a2ats_ref.retrieval import decode_step, select_tokens
 from a2ats_spec import oracle
 from test_cache_support import HEAD_DIM, N_KV, N_LAYERS, quiet_codebook, tiny_llama
@@ -165,7 +165,7 @@ def test_make_cache_validates_a_codebook_with_metadata():
 
 def test_validation_is_remembered_per_model(monkeypatch):
     """A cache per prompt must not re-hash every weight of a large model each time."""
-    import a2ats_ref.gguf as gguf
+    import a2ats_ref.files.gguf as gguf
 
     a = tiny_llama(seed=0)
     cb = _codebook_for(a)
@@ -222,9 +222,10 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from a2ats_ref.cache_io import load_a2ats_cache, save_a2ats_cache  # noqa: E402
+from a2ats_ref.files.cache import load_a2ats_cache, save_a2ats_cache  # noqa: E402
 
 TESTS = str(Path(__file__).parent)
+CHILD_PATH = os.pathsep.join([TESTS, *(str(Path(TESTS) / d) for d in ("runtime", "calibration"))])
 
 
 def _kill_mid_write(script: str, target: Path, timeout: float = 60.0) -> None:
@@ -232,7 +233,7 @@ def _kill_mid_write(script: str, target: Path, timeout: float = 60.0) -> None:
     before = target.stat()
     others = set(target.parent.iterdir())
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=TESTS,
-                             env={**os.environ, "PYTHONPATH": TESTS})
+                             env={**os.environ, "PYTHONPATH": CHILD_PATH})
     try:
         assert child.stdout.readline().strip() == "go", "child did not start"
         t_end = time.monotonic() + timeout
@@ -253,7 +254,7 @@ CACHE_CHILD = """
 import a2ats_ref, numpy as np, mlx.core as mx
 from test_cache_support import quiet_codebook
 from test_faults import _cache
-from a2ats_ref.cache_io import save_a2ats_cache
+from a2ats_ref.files.cache import save_a2ats_cache
 c = _cache(quiet_codebook(n_layers=1))
 T, rng = 200_000, np.random.default_rng(0)
 k = mx.array(rng.normal(size=(1, 2, T, 16)).astype(np.float32))
@@ -279,9 +280,11 @@ def test_kill_during_cache_save_keeps_the_old_file(tmp_path):
 
 CODEBOOK_CHILD = """
 import a2ats_ref, numpy as np, mlx.core as mx
-from a2ats_ref.codebook import Codebook
+from a2ats_ref.runtime.codebook import Codebook
 rng = np.random.default_rng(0)
-cb = Codebook([rng.normal(size=(2, 65536, 64)).astype(np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)])
+from test_codebook_file import identity
+cb = Codebook([rng.normal(size=(2, 65536, 64)).astype(np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)],
+              {"b": 2048, "model": identity(1, 2, 64)})
 print("go", flush=True)
 cb.save(PATH)
 """
@@ -289,7 +292,10 @@ cb.save(PATH)
 
 def test_kill_during_codebook_save_keeps_the_old_file(tmp_path):
     path = tmp_path / "cb.safetensors"
-    Codebook([np.ones((2, 8, 64), np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)]).save(path)
+    from test_codebook_file import identity
+
+    Codebook([np.ones((2, 8, 64), np.float32)], [np.stack([np.eye(64, dtype=np.float32)] * 2)],
+             {"b": 2048, "model": identity(1, 2, 64)}).save(path)
     _kill_mid_write(CODEBOOK_CHILD.replace("PATH", repr(str(path))), path)
     assert Codebook.load(path).K in (8, 65536)
 
@@ -325,14 +331,17 @@ def test_bit_flip_in_a_cache_array_is_refused(tmp_path):
 def test_bit_flip_in_a_codebook_array_is_refused(tmp_path):
     path = tmp_path / "cb.safetensors"
     cb = quiet_codebook(K=8)
-    Codebook([l.Cz for l in cb.layers], [l.L for l in cb.layers]).save(path)
+    from test_codebook_file import identity
+
+    Codebook([l.Cz for l in cb.layers], [l.L for l in cb.layers],
+             {"b": 2048, "model": identity(cb.n_layers, cb.layers[0].n_kv_heads, cb.layers[0].head_dim)}).save(path)
     _flip_byte_in(path, "layers.1.cz")
     with pytest.raises(CodebookError, match="'layers.1.cz' fails its SHA-256 checksum"):
         Codebook.load(path)
 
 
 def test_tiny_positive_L_diagonal_is_refused(tmp_path):
-    from a2ats_ref.cache import A2ATSCodebook
+    from a2ats_ref.runtime.cache import A2ATSCodebook
 
     cb = quiet_codebook(K=8)
     L = np.array(cb.layers[0].L)
@@ -344,7 +353,7 @@ def test_tiny_positive_L_diagonal_is_refused(tmp_path):
 
 
 def test_nonfinite_codebook_arrays_are_refused():
-    from a2ats_ref.cache import A2ATSCodebook
+    from a2ats_ref.runtime.cache import A2ATSCodebook
 
     cb = quiet_codebook(K=8)
     Cz = np.array(cb.layers[0].Cz)
@@ -356,8 +365,8 @@ def test_nonfinite_codebook_arrays_are_refused():
 
 # ------------------------------------------------------------------ 2, 8, 9, 10. calibration runs
 
-from a2ats_ref import calibrate as cal  # noqa: E402
-from a2ats_ref import collect as col  # noqa: E402
+from a2ats_ref.calibration import calibrate as cal  # noqa: E402
+from a2ats_ref.calibration import collect as col  # noqa: E402
 from test_calib_tiny import TEXT, ByteTokenizer, tiny_model  # noqa: E402
 
 CAL = dict(tokens=300, codebook_size=8, b=64, seed=0, seq_len=128, packing="packed", chunk=64, quiet=True)
@@ -381,7 +390,8 @@ def test_resume_after_the_corpus_changed_starts_over(tmp_path, capsys):
 
 LOCK_CHILD = """
 import time, a2ats_ref
-from a2ats_ref import calibrate as cal, collect as col
+from a2ats_ref.calibration import calibrate as cal
+from a2ats_ref.calibration import collect as col
 from test_calib_tiny import ByteTokenizer, tiny_model
 orig = col.collect
 def slow(*a, **k):
@@ -401,7 +411,7 @@ def test_two_calibrations_to_one_out(tmp_path, capsys):
     partial = out.with_name(out.name + ".partial")
     script = LOCK_CHILD.replace("TEXTFILE", repr(str(text))).replace("PARTIAL", repr(str(partial)))
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=TESTS,
-                             env={**os.environ, "PYTHONPATH": TESTS})
+                             env={**os.environ, "PYTHONPATH": CHILD_PATH})
     try:
         assert child.stdout.readline().strip() == "go"
         with pytest.raises(ValueError, match="is locked"):
@@ -483,7 +493,7 @@ def test_collection_is_checkpointed(tmp_path, monkeypatch):
 
 
 def test_bench_checks_its_output_paths_first(tmp_path, capsys):
-    from a2ats_ref import bench
+    from a2ats_ref.bench import cli as bench
 
     rc = bench.main(["speed", "--tiny", "--json", str(tmp_path / "missing" / "r.json")])
     err = capsys.readouterr().err

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from a2ats_spec import oracle as _oracle
 
-from ..adapter import FUNCTION_NAMES
+from a2ats_conformance.harness.adapter import FUNCTION_NAMES
 
 
 class OracleAdapter:

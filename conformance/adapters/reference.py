@@ -3,8 +3,16 @@
 NumPy in, NumPy out: float arrays become mx arrays of the same dtype (float32 arrays become
 bfloat16 when the suite sets ``input_dtype = "bfloat16"``), integer and bool arrays keep their
 dtype; results come back as NumPy (bfloat16 results as float32).  The cache factory wraps
-``a2ats_ref.cache.A2ATSCache`` in the NumPy cache protocol of README-ADAPTER.md (a batch of one, or
+``a2ats_ref.runtime.cache.A2ATSCache`` in the NumPy cache protocol of README-ADAPTER.md (a batch of one, or
 ``config["batch"]`` rows with a leading batch axis).
+
+The cache is built the way users get it: ``make_a2ats_cache`` on a one-layer model whose attention holds the
+model's own rope module (nn.RoPE, or Llama3RoPE with the config's frequencies), so codes and the decode query
+are de-rotated with the angles mx.fast.rope applied (fast_rope, the angle tables). A third form, A2ATSCache
+built by hand from inv_freqs alone (no rope module), is supported too; each config draws one of the three
+forms from its codebook's bytes (``rope_form``: the same config always builds the same form, so a replay
+rebuilds the failing cache). Prefill and decode go through the attention hook (a2ats_ref.runtime.hook), as a model's
+attention calls them: long causal prefills take the host kernel there.
 """
 
 from __future__ import annotations
@@ -12,16 +20,20 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import zlib
 
 import a2ats_ref  # noqa: F401  (first: it loads the fast BLAS, which must happen before mlx is imported)
 import mlx.core as mx
 import numpy as np
 
-from ..adapter import FUNCTION_NAMES
+from a2ats_conformance.harness.adapter import FUNCTION_NAMES
 
 # Where each reference function lives (a2ats_ref/__init__ may re-export them; the lead owns it).
 _MODULES = ("rope", "eq10_query_moment", "eq11_wrope_scores", "eq12_far_keys", "eq13_score_error", "eq14_assign",
             "eq15_cholesky", "eq16_z_transform", "eq17_kmeans", "eq18_back_transform", "retrieval", "prefill", "codes")
+
+#: How a cache is built: the three forms a user can hold (see the module docstring).
+ROPE_FORMS = ("nn.RoPE", "Llama3RoPE", "inv_freqs")
 
 
 def _find(name: str):
@@ -102,6 +114,17 @@ class ReferenceAdapter:
     def make_cache(self, config: dict):
         return ReferenceCache(config)
 
+    def collection_attention(self, q, k, v, *, scale=None):
+        """PREFILL: calibration's collection attention (a2ats_ref.calibration.collect.causal_attention), (B, n_q, Tq, d)."""
+        from a2ats_ref.calibration.collect import causal_attention
+
+        if np.ndim(q) != 4 or np.ndim(k) != 4 or np.ndim(v) != 4:
+            raise ValueError("collection_attention: expected q (B, n_q, Tq, d), k (B, n_kv, Tk, d), v (B, n_kv, Tk, dv), "
+                             f"got {np.shape(q)}, {np.shape(k)}, {np.shape(v)}")
+        bf16 = self.input_dtype == "bfloat16"
+        s = float(np.shape(q)[-1] ** -0.5 if scale is None else scale)
+        return to_np(causal_attention(*(to_mx(np.asarray(a), bf16) for a in (q, k, v)), scale=s))
+
 
 class SortFreeReference(ReferenceAdapter):
     """The reference with its runtime decode path forced to the sort-free selection (fast_decode,
@@ -114,7 +137,8 @@ class SortFreeReference(ReferenceAdapter):
 
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
                     scale=None, return_mask=False):
-        from a2ats_ref.fast_decode import decode_step_fast, prepare_codebook
+        from a2ats_ref.runtime.decode.portable import prepare_codebook
+        from a2ats_ref.runtime.decode.dispatch import decode_step_fast
 
         if np.ndim(q_post) != 2 or np.ndim(k_post) != 3:
             raise ValueError(f"{self.name}: decode_step takes one sequence, q_post (n_q, d) and k_post (n_kv, T, d)")
@@ -133,21 +157,95 @@ class SortFreeReference(ReferenceAdapter):
         return cache
 
 
+def rope_form(config: dict) -> str:
+    """The form (ROPE_FORMS) a config's cache is built in: drawn from its codebook's bytes, so it varies from
+    example to example and a replay of the same config builds the same form."""
+    return ROPE_FORMS[zlib.crc32(np.ascontiguousarray(config["Cz"]).tobytes()) % len(ROPE_FORMS)]
+
+
+def _rope_module(config: dict):
+    """The rope module of a model whose RoPE is the config's: nn.RoPE when inv_freqs are a base's (as every
+    default-RoPE model has), else a Llama3RoPE holding the config's frequencies (mx.fast.rope's freqs form)."""
+    import mlx.nn as nn
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    from a2ats_ref.rope import rope_inv_freqs
+
+    d, trad = int(config["head_dim"]), bool(config["traditional"])
+    inv = np.asarray(config["inv_freqs"], np.float64)
+    if rope_form(config) == "nn.RoPE":
+        base = 10000.0 if d == 2 else float(np.round(inv[1] ** -(d // 2)))
+        if base > 1 and np.allclose(np.array(rope_inv_freqs(d, base)), inv, rtol=1e-6, atol=0):
+            return nn.RoPE(d, traditional=trad, base=base)
+    rope = Llama3RoPE.__new__(Llama3RoPE)   # its angles from the given frequencies, as a llama3 model's rope holds them
+    nn.Module.__init__(rope)
+    rope.dims, rope.traditional = d, trad
+    rope._freqs = mx.array((1.0 / inv).astype(np.float32))
+    return rope
+
+
+class _Attention:
+    """The parts of an mlx-lm attention module make_a2ats_cache reads."""
+
+    def __init__(self, config: dict):
+        self.rope = _rope_module(config)
+        self.n_kv_heads, self.head_dim = int(config["n_kv_heads"]), int(config["head_dim"])
+
+
+class _Layer:
+    def __init__(self, config: dict):
+        self.self_attn = _Attention(config)
+
+
+class _OneLayerModel:
+    """The smallest model make_a2ats_cache builds a cache for: one layer whose attention holds the rope module."""
+
+    def __init__(self, config: dict):
+        self.layers = [_Layer(config)]
+
+
+def _build_cache(config: dict):
+    import warnings
+
+    from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig, LayerCodebook, make_a2ats_cache
+
+    Cz, L = (mx.array(np.asarray(config[k], np.float32)) for k in ("Cz", "L"))
+    cfg = A2ATSConfig(w=config["w"], b=config["b"], sinks=config["sinks"], topk=config["topk"])
+    if rope_form(config) == "inv_freqs":
+        return A2ATSCache(LayerCodebook.from_z(Cz, L), mx.array(np.asarray(config["inv_freqs"], np.float32)),
+                          bool(config["traditional"]), cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # a random-codebook or validation warning here would be a wiring bug
+        (cache,) = make_a2ats_cache(_OneLayerModel(config), (Cz[None], L[None]), cfg)
+    return cache
+
+
+def _attention_hook():
+    """mlx-lm's attention function as a model module binds it once a2ats_ref.runtime.hook.enable_a2ats has run."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    from a2ats_ref.runtime.hook import _make_dispatcher
+
+    global _HOOKED
+    if _HOOKED is None:
+        _HOOKED = _make_dispatcher(scaled_dot_product_attention)
+    return _HOOKED
+
+
+_HOOKED = None
+
+
 class ReferenceCache:
     """NumPy view of one layer's A2ATSCache; see README-ADAPTER.md, cache protocol (batch included)."""
 
     def __init__(self, config: dict, _cache=None):
-        from a2ats_ref.cache import A2ATSCache, A2ATSConfig, LayerCodebook
-
         self.config = dict(config)
         self.batched = config.get("batch") is not None
-        if _cache is None:
-            lc = LayerCodebook.from_z(mx.array(np.asarray(config["Cz"], np.float32)),
-                                      mx.array(np.asarray(config["L"], np.float32)))
-            cfg = A2ATSConfig(w=config["w"], b=config["b"], sinks=config["sinks"], topk=config["topk"])
-            _cache = A2ATSCache(lc, mx.array(np.asarray(config["inv_freqs"], np.float32)),
-                                bool(config["traditional"]), cfg)
-        self._c = _cache
+        self._c = _build_cache(config) if _cache is None else _cache
+
+    def _scale(self, d: int) -> float:
+        s = self.config.get("scale")
+        return d ** -0.5 if s is None else float(s)   # mlx-lm's attention modules always pass a scale
 
     def _in(self, x):
         """Protocol array -> mx with the cache's leading batch axis."""
@@ -169,17 +267,16 @@ class ReferenceCache:
         self._c.update_and_fetch(self._in(keys_post), self._in(values))
 
     def decode(self, q_post):
-        q = self._in(q_post)
-        out = self._c.decode(q[:, :, None, :], scale=self.config.get("scale"))
+        q = self._in(q_post)[:, :, None, :]
+        k, v = self._c.keys_and_values()
+        # mlx-lm's mask for one query is None (create_attention_mask)
+        out = _attention_hook()(q, k, v, cache=self._c, scale=self._scale(q.shape[-1]), mask=None)
         return self._out(out[:, :, 0, :]), self._out(self._c.last_selection)
 
     def prefill(self, q_post):
-        from mlx_lm.models.base import scaled_dot_product_attention
-
         k, v = self._c.keys_and_values()
-        d = q_post.shape[-1]
-        scale = self.config.get("scale") or d ** -0.5
-        out = scaled_dot_product_attention(self._in(q_post), k, v, cache=self._c, scale=scale, mask="causal")
+        q = self._in(q_post)
+        out = _attention_hook()(q, k, v, cache=self._c, scale=self._scale(q.shape[-1]), mask="causal")
         return self._out(out)
 
     def trim(self, n: int) -> int:
@@ -203,13 +300,13 @@ class ReferenceCache:
         return self._out(k), self._out(v)
 
     def save(self, path: str) -> None:
-        from a2ats_ref.cache_io import save_a2ats_cache
+        from a2ats_ref.files.cache import save_a2ats_cache
 
         save_a2ats_cache(_st(path), [self._c])
 
     def load(self, path: str) -> "ReferenceCache":
-        from a2ats_ref.cache import A2ATSCodebook
-        from a2ats_ref.cache_io import load_a2ats_cache
+        from a2ats_ref.runtime.cache import A2ATSCodebook
+        from a2ats_ref.files.cache import load_a2ats_cache
 
         lc = self._c.codebook
         cb = A2ATSCodebook(lc.Cz[None], lc.L[None])

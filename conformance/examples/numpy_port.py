@@ -5,7 +5,7 @@ NumPy (not a2ats_ref, a2ats_spec or a2ats_conformance, and not SciPy), so it can
 oracle, which is why it is worth checking against it. It is three things at once:
 
 * the example port for authors: the whole adapter protocol of conformance/README-ADAPTER.md in one file;
-* the base that tests/ports/ wraps into faithful ports (other calling conventions) and unfaithful ones
+* the base that tests/suite/ports/ wraps into faithful ports (other calling conventions) and unfaithful ones
   (one known bug each);
 * the port that reads golden vectors and writes answers (conformance/VECTORS.md).
 

@@ -1,0 +1,211 @@
+"""RET-DECODE under a kernel profiler: one decode step, bracketed so a profiler sees that step alone.
+
+    ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum \\
+        python -m a2ats_ref.bench.decode_profile --method cuda --T 262144 --dtype float16 > step.csv
+    python -m a2ats_ref.bench.decode_profile --summarize step.csv
+
+The step runs at Llama-3.1-8B shapes on a2ats-bench's inputs (bench_speed.decode_step_inputs), warmed up (every
+kernel compiled) before cudaProfilerStart; `--method dense` profiles mlx-lm's attention instead. It also prints
+the host time to build the step's graph (no eval), the part of a step a GPU waits on when kernels are short.
+No timing claims come from a profiled run: ratios come from a2ats-bench.
+
+    python -m a2ats_ref.bench.decode_profile --parts --T 262144 --dtype float16     # MLX CUDA only
+
+times, interleaved in one loop, dense, the CUDA step as decode_step_fast runs it, the same with its per-step
+parameter array reused (what a fresh host array costs), and each of its kernels alone on fixed inputs (what a
+launch costs), with the scan alone (the mask kernel): the breakdown README's GPU section quotes.
+
+    python -m a2ats_ref.bench.decode_profile --pipelined --T 262144 --dtype float16
+
+times dense and the step (--method, default auto) as a generation loop runs them: mlx-lm's generate_step builds
+the next token's graph while the device computes the current one (mx.async_eval), so a step's host work hides
+behind the previous step's device work. Each loop keeps one step in flight; the loops alternate in blocks. This
+is throughput, not latency: a2ats-bench's decode rows time each step alone, host graph building included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import glob
+import os
+import sys
+import time
+
+from a2ats_ref import _blas
+
+_blas.preload()
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from a2ats_ref.bench import speed as bench_speed  # noqa: E402
+from a2ats_ref.runtime.decode import dispatch  # noqa: E402
+from a2ats_ref.runtime.decode import portable as fast_decode  # noqa: E402
+
+
+def _cudart():
+    """libcudart next to MLX's CUDA libraries (None on other backends: the brackets are then no-ops)."""
+    roots = [p for p in sys.path if p.endswith("site-packages")]
+    for root in roots:
+        for lib in sorted(glob.glob(os.path.join(root, "nvidia", "**", "libcudart.so*"), recursive=True)):
+            return ctypes.CDLL(lib)
+    try:   # MLX may link the runtime statically: the system's then (profiler start/stop act on the shared context)
+        return ctypes.CDLL("libcudart.so") if mx.default_device().type != mx.cpu else None
+    except OSError:
+        return None
+
+
+def _case(T: int, dtype_name: str):
+    """a2ats-bench's decode-step inputs at Llama-3.1-8B shapes, their decode_step_fast keywords, and dense."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    x = bench_speed.decode_step_inputs(T, bench_speed.DTYPES[dtype_name], **bench_speed.LLAMA31_8B)
+    kw = bench_speed.decode_step_kwargs(x, T, d=bench_speed.LLAMA31_8B["d"])
+    dense = lambda: scaled_dot_product_attention(x["q"], x["k"], x["v"], x["cache"], scale=kw["scale"], mask=None)
+    return x, kw, dense
+
+
+def profile_step(method: str, T: int, dtype_name: str) -> dict:
+    x, kw, dense = _case(T, dtype_name)
+    step = dense if method == "dense" else (
+        lambda: dispatch.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method=method, **kw))
+    for _ in range(3):
+        mx.eval(step())
+    builds = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        out = step()
+        builds.append((time.perf_counter() - t0) * 1e3)
+        mx.eval(out)
+    mx.synchronize()
+    rt = _cudart()
+    if rt is not None:
+        rt.cudaProfilerStart()
+    mx.eval(step())
+    mx.synchronize()
+    if rt is not None:
+        rt.cudaProfilerStop()
+    return {"method": method, "T": T, "dtype": dtype_name, "device": str(mx.default_device()),
+            "graph_build_ms_median": round(float(np.median(builds)), 4), "profiler_bracketed": rt is not None}
+
+
+def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
+    """Median ms of the step and of its parts (see the module docstring); needs MLX's CUDA backend."""
+    from a2ats_ref.runtime.decode import cuda as cd
+    from a2ats_ref.retrieval import topk_count
+
+    if not cd.on_cuda():
+        raise SystemExit("--parts times the CUDA kernels: run it on MLX's CUDA backend")
+    shape, K = bench_speed.LLAMA31_8B, 4096
+    x, kw, dense = _case(T, dtype_name)
+    inv, scale, (counts, _) = kw["inv_freqs"], kw["scale"], kw["code_counts"]
+    _, c0, c1 = fast_decode._regions(T, kw["w"], kw["sinks"])
+    kk = topk_count(T, kw["topk"], c1 - c0)
+    S = fast_decode.sortfree_width(kk, shape["n_q"] // shape["n_kv"], K, c1 - c0)
+    chunk = cd.chunk_for(T, shape["n_kv"])
+    ip = cd.step_params(kk=kk, c0=c0, c1=c1, counted=T, S=S, kept=True, n=T, sinks=kw["sinks"], w=kw["w"],
+                        b=float(kw["b"]), query_pos=float(T - 1), scale=scale, chunk=chunk)
+    tab, lv, nsel = cd.select(x["q"], x["CT"], inv, counts, x["codes"], ip, traditional=False)
+    mx.eval(ip, tab, lv, nsel)
+    step = lambda: dispatch.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method="cuda", **kw)
+    real_params = cd.step_params
+
+    def step_reused_params():
+        cd.step_params = lambda **_: ip
+        try:
+            return step()
+        finally:
+            cd.step_params = real_params
+
+    fns = {
+        "dense": dense,
+        "cuda step": step, "cuda step, parameter array reused": step_reused_params,
+        "empty eval": lambda: mx.array(1.0) + 1,
+        "select (LUT, levels)": lambda: cd.select(x["q"], x["CT"], inv, counts, x["codes"], ip, traditional=False),
+        "attend (scan, attention, merge)": lambda: cd.attend(x["q"], x["k"], x["v"], x["codes"], lv, nsel, ip, n=T,
+                                                             chunk=chunk),
+        "mask (the scan alone)": lambda: cd.selection_mask(x["codes"], lv, nsel, ip, n=T, chunk=chunk),
+    }
+    res = bench_speed.interleaved(fns, reps=reps, warmup=3)
+    return {"T": T, "dtype": dtype_name, "median_ms": {k: round(v["median_ms"], 4) for k, v in res.items()}}
+
+
+def _pipelined_ms(fn, steps: int) -> float:
+    """ms per step of `steps` calls of fn with one step in flight: build step k + 1, hand it to the device
+    (async_eval), then wait for step k (as mlx-lm's generate_step yields the previous token)."""
+    out = fn()
+    mx.async_eval(out)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = fn()
+        mx.async_eval(nxt)
+        mx.eval(out)
+        out = nxt
+    mx.eval(out)
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def pipelined(T: int, dtype_name: str, method: str = "auto", *, steps: int = 50, blocks: int = 7) -> dict:
+    """Dense and the A2ATS step in generation-loop order (_pipelined_ms), alternating blocks of `steps` steps:
+    median ms per step and the median of the per-block ratios (dense / A2ATS)."""
+    x, kw, dense = _case(T, dtype_name)
+    step = lambda: dispatch.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method=method, **kw)
+    for f in (dense, step):   # compile every kernel and graph first
+        _pipelined_ms(f, 3)
+    d, a = [], []
+    for b in range(blocks):
+        for name in (("dense", "a2ats") if b % 2 == 0 else ("a2ats", "dense")):
+            (d if name == "dense" else a).append(_pipelined_ms(dense if name == "dense" else step, steps))
+    return {"T": T, "dtype": dtype_name, "method": method, "device": str(mx.default_device()), "steps": steps,
+            "blocks": blocks, "dense_ms": round(float(np.median(d)), 4), "a2ats_ms": round(float(np.median(a)), 4),
+            "speedup": round(float(np.median([p / q for p, q in zip(d, a)])), 3)}
+
+
+def summarize(path: str) -> str:
+    """Kernel names and durations (us) from ncu's --csv output (metric gpu__time_duration.sum), and the total."""
+    rows = [r for r in csv.reader(open(path)) if len(r) > 10]
+    if not rows:
+        raise ValueError(f"{path}: no ncu CSV rows (run ncu with --csv --metrics gpu__time_duration.sum)")
+    head = rows[0]
+    name, val, unit = head.index("Kernel Name"), head.index("Metric Value"), head.index("Metric Unit")
+    lines, total = [], 0.0
+    for r in rows[1:]:
+        v = float(r[val].replace(",", ""))
+        us = v / 1000.0 if r[unit] in ("ns", "nsecond") else v * 1000.0 if r[unit] in ("ms", "msecond") else v
+        total += us
+        lines.append(f"{us:9.1f} us  {r[name][:120]}")
+    lines.append(f"total {total:.1f} us over {len(rows) - 1} kernels")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m a2ats_ref.bench.decode_profile", description=__doc__.split("\n")[0])
+    ap.add_argument("--method", default="auto", choices=("dense",) + fast_decode.METHODS)
+    ap.add_argument("--T", type=int, default=262144)
+    ap.add_argument("--dtype", default="float16", choices=tuple(bench_speed.DTYPES))
+    ap.add_argument("--summarize", metavar="CSV", help="print the kernels of an ncu CSV instead of profiling")
+    ap.add_argument("--parts", action="store_true", help="time the CUDA step's parts (MLX CUDA only), no profiler")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="dense vs the step as a generation loop runs them (one step in flight), no profiler")
+    a = ap.parse_args(argv)
+    if a.summarize:
+        print(summarize(a.summarize))
+        return 0
+    if a.T < 256 or a.T % 256:
+        ap.error("--T: a multiple of 256 (the bench's KVCache hands back its own buffer then)")
+    if a.parts:
+        print(parts(a.T, a.dtype))
+        return 0
+    if a.pipelined:
+        if a.method == "dense":
+            ap.error("--pipelined times dense beside --method: give an A2ATS method (default auto)")
+        print(pipelined(a.T, a.dtype, a.method))
+        return 0
+    print(profile_step(a.method, a.T, a.dtype), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""File formats read and written by the package: atomic checksummed saves, cache files and GGUF models."""

@@ -1,0 +1,129 @@
+"""The codebook file format: round trip, and foreign/corrupt files rejected with clear errors."""
+
+from __future__ import annotations
+
+import a2ats_ref  # noqa: F401  (first: its __init__ loads the fast BLAS before mlx)
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from a2ats_ref.runtime.codebook import FORMAT_NAME, FORMAT_VERSION, Codebook, CodebookError
+
+
+def make_codebook(n_layers=2, n_kv=2, K=8, d=4, seed=0):
+    rng = np.random.default_rng(seed)
+    cz = [rng.normal(size=(n_kv, K, d)).astype(np.float32) for _ in range(n_layers)]
+    Ls = []
+    for _ in range(n_layers):
+        A = rng.normal(size=(n_kv, d, d))
+        H = A @ np.swapaxes(A, -1, -2) + np.eye(d)
+        Ls.append(np.linalg.cholesky(H).astype(np.float32))
+    return Codebook(cz, Ls, {"b": 2048, "model": identity(n_layers, n_kv, d)})
+
+
+def identity(n_layers, n_kv, d) -> dict:
+    """A complete model identity, as a codebook file must record it."""
+    return {"architecture": "llama", "n_layers": n_layers, "n_heads": 2 * n_kv, "n_kv_heads": n_kv, "head_dim": d,
+            "rope_base": 10000.0, "rope_scaling": None, "rope_traditional": False, "weights_fingerprint": "0" * 64}
+
+
+def write(path, arrays, meta=None, fmt=FORMAT_NAME, version=FORMAT_VERSION):
+    md = {}
+    if fmt is not None:
+        md["format"] = fmt
+    if version is not None:
+        md["format_version"] = version
+    if meta is not None:
+        md["a2ats"] = json.dumps(meta)
+    mx.save_safetensors(str(path), {k: mx.array(v) for k, v in arrays.items()}, metadata=md)
+    return path
+
+
+def good_arrays_meta(cb):
+    arrays = {}
+    for l in range(cb.n_layers):
+        arrays[f"layers.{l}.cz"] = np.array(cb.cz[l])
+        arrays[f"layers.{l}.L"] = np.array(cb.Ls[l])
+    meta = {"n_layers": cb.n_layers, "n_kv_heads": cb.n_kv_heads, "codebook_size": cb.K, "head_dim": cb.head_dim}
+    return arrays, meta
+
+
+def test_round_trip(tmp_path):
+    cb = make_codebook()
+    back = Codebook.load(cb.save(tmp_path / "c.safetensors"))
+    assert back.meta["b"] == 2048 and back.meta["codebook_size"] == 8 and back.meta["package_version"]
+    for l in range(2):
+        np.testing.assert_array_equal(np.array(back.cz[l]), np.array(cb.cz[l]))
+        np.testing.assert_array_equal(np.array(back.Ls[l]), np.array(cb.Ls[l]))
+    assert back.Cz.shape == (2, 2, 8, 4) and back.L.shape == (2, 2, 4, 4)
+    cz, L = back.for_layer(1)
+    assert cz.shape == (2, 8, 4) and L.shape == (2, 4, 4)
+    with pytest.raises(IndexError, match="layer"):
+        back.for_layer(2)
+    assert not list(tmp_path.glob("*.tmp*")), "no temporary file left behind"
+
+
+def test_cache_accepts_it():
+    from a2ats_ref.runtime.cache import A2ATSCodebook
+
+    cb = make_codebook()
+    cc = A2ATSCodebook.coerce(cb)
+    assert (cc.n_layers, cc.n_kv_heads, cc.K, cc.head_dim) == (2, 2, 8, 4) and not cc.random
+
+
+def test_not_safetensors(tmp_path):
+    p = tmp_path / "junk.safetensors"
+    p.write_bytes(b"\x00" * 3 + b"hello, I am not a codebook" * 10)
+    with pytest.raises(CodebookError, match="not a safetensors file|not a readable safetensors"):
+        Codebook.load(p)
+
+
+def test_pickle_is_not_read(tmp_path):
+    import pickle
+
+    p = tmp_path / "cb.pkl"
+    p.write_bytes(pickle.dumps({"cz": [1, 2, 3]}))
+    with pytest.raises(CodebookError):
+        Codebook.load(p)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        Codebook.load(tmp_path / "nope.safetensors")
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a, m, kw: kw.update(fmt=None), "not an a2ats codebook"),
+        (lambda a, m, kw: kw.update(fmt="gguf"), "not an a2ats codebook"),
+        (lambda a, m, kw: kw.update(version="99"), "format version '99' is not supported"),
+        (lambda a, m, kw: kw.update(meta=None), "'a2ats' is missing"),
+        (lambda a, m, kw: a.pop("layers.1.L"), "'layers.1.L' is missing"),
+        (lambda a, m, kw: a.update({"layers.0.cz": np.full((2, 8, 4), np.nan, np.float32)}), "non-finite"),
+        (lambda a, m, kw: a.update({"layers.1.cz": np.zeros((2, 7, 4), np.float32)}), r"layers.1.cz has shape \(2, 7, 4\)"),
+        (lambda a, m, kw: a.update({"layers.0.L": np.zeros((2, 4, 5), np.float32)}), r"layers.0.L has shape"),
+        (lambda a, m, kw: a.update({"layers.0.L": np.ones((2, 4, 4), np.float32)}), "lower triangular"),
+        (lambda a, m, kw: m.update(codebook_size=9), "codebook_size=9 disagrees"),
+        (lambda a, m, kw: m.update(n_layers=3), "'layers.2.cz' is missing"),
+        (lambda a, m, kw: a.update({"extra": np.zeros(3, np.float32)}), "unexpected arrays"),
+    ],
+)
+def test_corrupt_or_foreign_rejected(tmp_path, mutate, message):
+    arrays, meta = good_arrays_meta(make_codebook())
+    kw = {"meta": meta}
+    mutate(arrays, meta, kw)
+    p = write(tmp_path / "bad.safetensors", arrays, **kw)
+    with pytest.raises(CodebookError, match=message):
+        Codebook.load(p)
+
+
+def test_truncated_file(tmp_path):
+    p = make_codebook().save(tmp_path / "c.safetensors")
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CodebookError):
+        Codebook.load(p)

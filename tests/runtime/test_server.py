@@ -1,0 +1,110 @@
+"""mlx_lm.server with A2ATS caches, driven in-process on loopback: concurrent requests of different lengths
+are batched (A2ATSBatchCache) and each answer equals the same request run alone; a repeated request reuses
+the server's prompt cache and answers the same."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from http.server import ThreadingHTTPServer
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+
+from a2ats_ref.runtime import server as a2s
+from a2ats_ref.runtime.batching import A2ATSBatchCache
+from a2ats_ref.runtime.cache import A2ATSCache
+from test_generate_cli import WORDS, _model_folder, files  # noqa: F401  (the model folder and its codebook)
+
+PROMPTS = ["the quick brown fox", WORDS * 2, "a cat", WORDS + "the lazy dog sleeps while the fox"]
+MAX_TOKENS = 12
+
+
+def _provider(monkeypatch, argv):
+    """a2ats-server's main up to the point where mlx_lm.server would serve: the provider it built."""
+    import mlx_lm.server as mlx_server
+
+    made = []
+    monkeypatch.setattr(mlx_server, "run", lambda host, port, provider: made.append(provider))
+    rc = a2s.main([str(a) for a in argv])
+    return rc, (made[0] if made else None)
+
+
+@pytest.fixture
+def served(files, monkeypatch):
+    import mlx_lm.server as mlx_server
+
+    folder, _, cb = files
+    rc, provider = _provider(monkeypatch, ["--model", folder, "--codebook", cb, "--window", 4, "--sinks", 2,
+                                           "--topk", 3, "--decode-concurrency", 8, "--prompt-concurrency", 4,
+                                           "--prefill-step-size", 16])
+    assert rc == 0 and provider is not None and provider.is_batchable
+    gen = mlx_server.ResponseGenerator(provider, LRUPromptCache(provider.cli_args.prompt_cache_size))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), lambda *a, **k: mlx_server.APIHandler(
+        gen, *a, system_fingerprint="test", **k))
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield provider, f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        gen.stop_and_join()
+
+
+def complete(url: str, prompt: str, *, usage=None, **extra) -> str:
+    body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, **extra}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        answer = json.loads(r.read())
+    if usage is not None:
+        usage.update(answer.get("usage", {}))
+    return answer["choices"][0]["text"]
+
+
+def test_concurrent_requests_are_batched_and_each_equals_the_request_alone(served, monkeypatch):
+    provider, url = served
+    rows = []
+    orig = A2ATSBatchCache.decode
+    monkeypatch.setattr(A2ATSBatchCache, "decode", lambda self, q, **k: rows.append(len(self.rows)) or orig(self, q, **k))
+    answers = [None] * len(PROMPTS)
+
+    def ask(i):
+        answers[i] = complete(url, PROMPTS[i])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert all(a is not None for a in answers), answers
+    assert rows and max(rows) > 1, f"the server never batched the A2ATS requests (rows per decode: {set(rows)})"
+    usage = {}
+    again = complete(url, PROMPTS[1], usage=usage)   # the same prompt: served from the server's prompt cache
+    assert usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) > 0, usage
+    seeded = complete(url, PROMPTS[3], seed=5)   # a request with a seed: the server runs it alone (not batched)
+    model, tok = provider.model, provider.tokenizer
+    for p, got in zip(PROMPTS + [PROMPTS[1], PROMPTS[3]], answers + [again, seeded]):
+        cache = make_prompt_cache(model)
+        assert all(isinstance(c, A2ATSCache) for c in cache)
+        alone = generate(model, tok, tok.encode(p), max_tokens=MAX_TOKENS, prompt_cache=cache)
+        assert got == alone, f"prompt {p[:30]!r}: server {got!r}, alone {alone!r}"
+
+
+def test_bad_codebook_and_unsupported_flags_stop_before_serving(files, tmp_path, monkeypatch, capsys):
+    folder, other, cb = files
+    rc, provider = _provider(monkeypatch, ["--model", folder, "--codebook", tmp_path / "none.safetensors"])
+    assert rc == 2 and provider is None and "none.safetensors" in capsys.readouterr().err
+    rc, provider = _provider(monkeypatch, ["--model", other, "--codebook", cb])
+    err = capsys.readouterr().err
+    assert rc == 2 and provider is None and str(cb) in err and "weights_fingerprint" in err, err
+    rc, provider = _provider(monkeypatch, ["--model", folder, "--codebook", cb, "--kv-bits", 4])
+    assert rc == 2 and "--kv-bits" in capsys.readouterr().err
+
+
+def test_help_lists_both_flag_sets(capsys):
+    assert a2s.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--codebook" in out and "--decode-concurrency" in out
