@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from a2ats_conformance.vectors.export import GRADED_DTYPES, load_vectors
+from a2ats_conformance.vectors.manifest import GRADED_DTYPES, load_vectors
 from a2ats_conformance.vectors.untrusted import UntrustedFileError, read_json, read_npy, regular_file
 
 #: Exit status of a grading run in which no case was answered (every clause not-implemented or not-applicable):
@@ -286,7 +286,7 @@ def grade(vectors_dir: str, answers_dir: str, dtype: str | None = None) -> dict:
     """The report of a grading run: the same shape as a Hypothesis run's (cli.run_suite)."""
     from a2ats_spec.clauses import clause_ids
 
-    from a2ats_conformance.run.cli import STATUS_ORDER, clause_table
+    from a2ats_conformance.report.text import STATUS_ORDER, clause_table
 
     from a2ats_conformance.report.writer import metadata
 
@@ -353,7 +353,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
-    from a2ats_conformance.run.cli import check_report_paths, exit_status, format_table, same_report_paths, write_reports
+    from a2ats_conformance.report.text import check_report_paths, exit_status, format_table, same_report_paths, write_reports
 
     problem = same_report_paths(a)
     if problem:
@@ -366,7 +366,7 @@ def main(argv=None) -> int:
             raise ValueError(problem)
         if a.iut:
             from a2ats_conformance.harness.adapter import load_adapter
-            from a2ats_conformance.vectors.export import write_answers
+            from a2ats_conformance.vectors.answers import write_answers
 
             write_answers(a.vectors_dir, load_adapter(a.iut), a.answers_dir, a.dtype)
         report = grade(a.vectors_dir, a.answers_dir, a.dtype)
