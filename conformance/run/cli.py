@@ -340,6 +340,14 @@ def _md_failure(cid: str, c: dict) -> list[str]:
     return out + [""]
 
 
+def versions_line(report: dict) -> str:
+    """Suite, spec, Python and MLX versions; a port's environment need not have MLX, and the line says so."""
+    plat = report.get("platform") or {}
+    mlx = f"MLX {plat['mlx']}" if plat.get("mlx") else "MLX not installed"
+    return (f"suite {report.get('suite_version', '?')}, spec {(report.get('spec') or {}).get('version', '?')}, "
+            f"Python {plat.get('python', '?')}, {mlx}")
+
+
 def format_markdown(report: dict) -> str:
     impl = report["implementation"]
     out = ["# A2ATS conformance report", ""]
@@ -347,6 +355,7 @@ def format_markdown(report: dict) -> str:
         out += [f"> **{run_line(report)}**", ""]
     out += [f"- implementation: **{impl.get('name', '?')}** {impl.get('version', '')} (`{impl.get('iut', '')}`)",
             f"- dtype: {impl.get('dtype', '?')}; Hypothesis profile: {report['profile']}; wall: {report['wall_s']} s",
+            f"- versions: {versions_line(report)}",
             f"- missing callables: {', '.join(impl.get('missing', [])) or 'none'}",
             f"- declared capabilities: {_caps_line(impl.get('capabilities'))}",
             f"- counterexamples: `{(report.get('run') or {}).get('counterexample_dir', '-')}`", "",
@@ -452,12 +461,18 @@ def check_iut(iut) -> str:
     an adapter that exits or hangs on import must not take this process with it)."""
     import importlib.util
 
-    from a2ats_conformance.harness.adapter import AdapterError, resolve_iut_spec
+    from a2ats_conformance.harness.adapter import DEFAULT_IUT, AdapterError, resolve_iut_spec
 
     try:
         spec = resolve_iut_spec(iut)
     except AdapterError as exc:
         return str(exc)
+    if spec == DEFAULT_IUT:
+        missing = [m for m in ("mlx", "mlx_lm") if not _importable(m)]
+        if missing:
+            return (f"IUT {spec!r} is the MLX reference, which needs the [mlx] extra (pip install 'a2ats-ref[mlx]'; "
+                    f"{' and '.join(missing)} not installed); to test another implementation give --iut "
+                    "package.module:Adapter or $A2ATS_IUT, e.g. --iut a2ats_conformance.adapters.oracle:OracleAdapter")
     top = spec.partition(":")[0].split(".")[0]
     try:
         found = importlib.util.find_spec(top) is not None
@@ -467,6 +482,15 @@ def check_iut(iut) -> str:
         return (f"IUT {spec!r}: cannot import module {top!r} (not on the import path). Give an importable module, "
                 f"e.g. --iut mypkg.a2ats_adapter:Adapter, and put its folder on PYTHONPATH if it is not installed")
     return ""
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def check_report_paths(a) -> str:
