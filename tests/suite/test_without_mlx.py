@@ -83,3 +83,19 @@ def test_default_iut_without_mlx_names_the_extra_and_how_to_name_another_iut(no_
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert "[mlx]" in lines[0] and "--iut" in lines[0] and ORACLE in lines[0], lines[0]
+
+
+def test_core_install_has_no_mlx_and_the_mlx_extra_carries_it():
+    """A port's resolver sees the core dependencies only: MLX or mlx-lm there (mlx-lm pins a transformers range)
+    would make the suite uninstallable beside a port's own framework."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    name = lambda req: re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower()  # noqa: E731
+    core = {name(r) for r in project["dependencies"]}
+    assert core == {"numpy", "scipy", "hypothesis", "pytest", "pytest-xdist"}, core
+    assert {name(r) for r in project["optional-dependencies"]["mlx"]} == {"mlx", "mlx-lm", "cmeel-openblas"}
+    assert '".[mlx,test]"' in (root / ".ci" / "run").read_text(encoding="utf-8"), ".ci/run must install the [mlx] extra"
