@@ -52,6 +52,7 @@ def no_mlx(tmp_path_factory):
 
     probe = subprocess.run([sys.executable, "-c", "import mlx.core"], env=env, capture_output=True, text=True)
     assert probe.returncode != 0 and "blocked" in probe.stderr, "the import blocker did not take effect"
+    cli.env = env
     return cli
 
 
@@ -99,3 +100,13 @@ def test_core_install_has_no_mlx_and_the_mlx_extra_carries_it():
     assert core == {"numpy", "scipy", "hypothesis", "pytest", "pytest-xdist"}, core
     assert {name(r) for r in project["optional-dependencies"]["mlx"]} == {"mlx", "mlx-lm", "cmeel-openblas"}
     assert '".[mlx,test]"' in (root / ".ci" / "run").read_text(encoding="utf-8"), ".ci/run must install the [mlx] extra"
+
+
+def test_importing_the_suite_without_mlx_loads_no_global_blas(no_mlx):
+    """The preload serves MLX only: without it, a process-wide OpenBLAS would only shadow the BLAS a port's
+    framework links."""
+    code = "import a2ats_conformance, a2ats_ref._blas as b; s = b.blas_status(); print(s['loaded'], s['error'])"
+    r = subprocess.run([sys.executable, "-c", code], env=no_mlx.env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("None MLX is not installed"), r.stdout
+    assert "OpenBLAS" not in r.stderr, r.stderr
