@@ -4,7 +4,7 @@
                       [--report-json F] [--report-md F] [--junit-xml F] [--xfails F] [-n N] [--clauses ID,...]
                       [--seed S] [--counterexample-dir DIR] [--example-timeout S] [-k EXPR] [-v]
     a2ats-conformance vectors --out DIR [--size small|full] [--seed S]
-    a2ats-conformance grade VECTORS_DIR ANSWERS_DIR [--report-json F] [--report-md F]
+    a2ats-conformance grade VECTORS_DIR ANSWERS_DIR [--report-json F] [--report-md F] [--iut module:object]
     a2ats-conformance --version
 
 The suite runs under pytest (pytest-xdist when -n > 1) in a child process that this one supervises
@@ -296,17 +296,25 @@ def _cause_lines(c: dict) -> list[str]:
 
 
 def write_reports(report: dict, a) -> None:
-    """The reports asked for on the command line (--report-json, --report-md, --junit-xml)."""
-    if a.report_json:
-        with open(a.report_json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1, default=str)
-    if a.report_md:
-        with open(a.report_md, "w", encoding="utf-8") as f:
-            f.write(format_markdown(report))
-    if a.junit_xml:
-        from a2ats_conformance.report.writer import write_junit
+    """The reports asked for on the command line (--report-json, --report-md, --junit-xml); OSError naming the
+    flag and the path when one cannot be written (a full disk)."""
+    from a2ats_conformance.report.writer import write_junit
 
-        write_junit(report, a.junit_xml)
+    writers = (("--report-json", a.report_json, lambda p: _write_text(p, json.dumps(report, indent=1, default=str))),
+               ("--report-md", a.report_md, lambda p: _write_text(p, format_markdown(report))),
+               ("--junit-xml", getattr(a, "junit_xml", None), lambda p: write_junit(report, p)))
+    for flag, path, write in writers:
+        if not path:
+            continue
+        try:
+            write(path)
+        except OSError as exc:
+            raise OSError(f"{flag} {path!r} cannot be written ({exc.strerror or exc})") from None
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def _caps_line(caps) -> str:
@@ -386,13 +394,25 @@ def format_markdown(report: dict) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="a2ats-conformance", description="A2ATS conformance suite (per-clause verdicts).")
+    p = argparse.ArgumentParser(
+        prog="a2ats-conformance", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="A2ATS conformance suite: run the Hypothesis properties against an implementation (an adapter) "
+                    "and report per-clause verdicts.",
+        epilog="subcommands:\n"
+               "  a2ats-conformance vectors --out DIR [--size small|full] [--seed S] [--check IUT]\n"
+               "                        write oracle golden vectors for ports in any language (VECTORS.md)\n"
+               "  a2ats-conformance grade VECTORS_DIR ANSWERS_DIR [--report-json F] [--report-md F] [--iut IUT]\n"
+               "                        grade a port's answer files per clause (exit 4: nothing answered)\n"
+               "  (a2ats-conformance vectors --help, a2ats-conformance grade --help: their flags)\n\n"
+               "exit status: 0 when the run completed and no clause fails; 1 when a clause fails (fail, timeout, "
+               "crash);\n2 on a usage error or an IUT that could not be loaded; 3 when the run did not complete "
+               "(interrupted).")
     p.add_argument("--iut", default=None, help="adapter 'module:object' (default: $A2ATS_IUT, else the MLX reference)")
     p.add_argument("--profile", default="ci", choices=["quick", "ci", "thorough", "selftest"],
                    help="Hypothesis profile: quick (8 examples), ci (default, 50), thorough (500); selftest = 12, no shrinking")
     p.add_argument("--dtype", default=None, help="input dtype to test, comma list, or 'all' (default: the adapter's first)")
-    p.add_argument("--report-json", default=None, metavar="F")
-    p.add_argument("--report-md", default=None, metavar="F")
+    p.add_argument("--report-json", default=None, metavar="F", help="the report as JSON (report.schema.json)")
+    p.add_argument("--report-md", default=None, metavar="F", help="the report as Markdown (clause table, failures)")
     p.add_argument("--junit-xml", default=None, metavar="F", help="JUnit XML for CI: one testcase per clause")
     p.add_argument("--version", action="store_true", help="print the package, spec and vectors-format versions")
     p.add_argument("--xfails", default=None, metavar="F", help="known deviations: '<clause-or-test-id-prefix>  # reason'")
@@ -408,7 +428,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-port-profile", action="store_true",
                    help="skip the port profile (each mechanism's variant, measured on its own probe)")
     p.add_argument("-k", default=None, help="pytest -k expression")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="pytest's verbose output (one line per test)")
     p.add_argument("-q", "--quiet", action="store_true", help="no pytest output, only the table")
     return p
 
@@ -437,7 +457,7 @@ def main(argv=None) -> int:
         except ValueError as exc:
             print(f"a2ats-conformance: {exc}", file=sys.stderr)
             return 2
-    problem = check_iut(a.iut) or check_report_paths(a)
+    problem = check_clauses(a.clauses) or same_report_paths(a) or check_iut(a.iut) or check_report_paths(a)
     if problem:
         print(f"a2ats-conformance: {problem}", file=sys.stderr)
         return 2
@@ -450,10 +470,28 @@ def main(argv=None) -> int:
     evidence = evidence_text(report)
     if evidence:
         print(evidence)
-    write_reports(report, a)
+    try:
+        write_reports(report, a)
+    except OSError as exc:
+        print(f"a2ats-conformance: {exc}", file=sys.stderr)
+        return 2
     if report["run"]["error"]:
         print(f"a2ats-conformance: {report['run']['error']}", file=sys.stderr)
     return exit_status(report)
+
+
+def check_clauses(clauses) -> str:
+    """'' or which --clauses entries are not clause IDs of the spec (a typo would run nothing and exit 0)."""
+    if clauses is None:
+        return ""
+    from a2ats_spec.clauses import clause_ids
+
+    asked = [c.strip() for c in clauses.split(",")]
+    unknown = [c for c in asked if c not in clause_ids()]
+    if unknown or not asked:
+        return (f"--clauses {clauses!r}: {', '.join(repr(c) for c in unknown)} "
+                f"{'is not a clause ID' if len(unknown) == 1 else 'are not clause IDs'}; known: {', '.join(clause_ids())}")
+    return ""
 
 
 def check_iut(iut) -> str:
@@ -491,6 +529,21 @@ def _importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+def same_report_paths(a) -> str:
+    """'' or which two report flags name the same file (one report would overwrite the other)."""
+    seen: dict[str, str] = {}
+    for flag in ("--report-json", "--report-md", "--junit-xml"):
+        path = getattr(a, flag[2:].replace("-", "_"), None)
+        if not path:
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            return (f"{seen[key]} and {flag} name the same file {path!r}: one report would overwrite the other; "
+                    f"give each its own path")
+        seen[key] = flag
+    return ""
 
 
 def check_report_paths(a) -> str:

@@ -13,6 +13,7 @@ A port answers them with ``.npy`` files (VECTORS.md, "Answers"); ``grade.py`` gr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -24,8 +25,11 @@ from a2ats_spec import oracle as O
 
 from a2ats_conformance.harness.hypothesis_helpers import spd_matrix
 from a2ats_conformance.harness.tolerances import DTYPES, tie_margin, tolerance
+from a2ats_conformance.vectors.untrusted import (UntrustedFileError, check_npy_header, inside, open_new_file, read_json,
+                                                 read_npy, regular_file, safe_name)
 
-__all__ = ["FORMAT", "SIZES", "generate", "write_vectors", "load_vectors", "write_answers", "check_vectors", "main"]
+__all__ = ["FORMAT", "SIZES", "ManifestError", "generate", "write_vectors", "load_vectors", "write_answers",
+           "check_vectors", "main"]
 
 FORMAT = "a2ats-golden-vectors/2"
 FORMAT_V1 = "a2ats-golden-vectors/1"
@@ -582,39 +586,268 @@ def generate(seed: int = 0, size: str = "small") -> tuple[dict, dict]:
     return manifest, B.arrays
 
 
+def _make_folder(path: str, what: str) -> None:
+    """Create ``path`` (and its parents); UntrustedFileError naming it when that fails (read-only, a file)."""
+    if not path:
+        raise UntrustedFileError(f"{what}: the path is empty; name a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UntrustedFileError(f"{what} {path!r}: cannot be created ({exc.strerror or exc})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UntrustedFileError(f"{what} {path!r}: not writable")
+
+
 def write_vectors(out_dir: str, seed: int = 0, size: str = "small") -> str:
+    """Write DIR/manifest.json and DIR/arrays/; UntrustedFileError (a ValueError) naming the path that cannot be
+    written (an empty --out, a read-only or full disk); the manifest is written last, so a folder whose writing
+    failed has none and is not mistaken for vectors."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed: expected an integer >= 0, got {seed!r}")
+    if not out_dir:
+        raise UntrustedFileError("--out: the path is empty; name a folder to write the vectors into")
     manifest, arrays = generate(seed, size)
-    os.makedirs(os.path.join(out_dir, "arrays"), exist_ok=True)
-    for key, a in arrays.items():
-        np.save(os.path.join(out_dir, "arrays", f"{key}.npy"), a, allow_pickle=False)
+    _make_folder(os.path.join(out_dir, "arrays"), "vectors folder")
     path = os.path.join(out_dir, "manifest.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
+    if os.path.lexists(path):
+        os.remove(path)
+    for key, a in arrays.items():
+        with _writing(os.path.join(out_dir, "arrays", f"{key}.npy")) as f:
+            np.save(f, a, allow_pickle=False)
+    part = path + ".partial"
+    try:
+        with _writing(part) as f:
+            f.write(json.dumps(manifest, indent=1).encode())
+        os.replace(part, path)   # a manifest is whole or absent
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError):
+            os.remove(part)
+        raise
     return path
 
 
-def load_vectors(vectors_dir: str):
-    """-> (manifest, decode) where decode turns a manifest entry into its value; ValueError on another format."""
+class ManifestError(UntrustedFileError):
+    """A vectors manifest that cannot be graded or answered: the message names the file and the entry."""
+
+
+_OPS = {"append": ("keys", "values"), "decode": ("q",), "prefill": ("q",), "trim": ("n",), "save_load": ()}
+_ARRAY_KEYS = ("array", "allowed", "must", "may")
+
+
+class _Check:
+    """Validates a manifest against VECTORS.md before anything is read or written: types, names used as answer
+    file names, and every array path (inside the folder, a regular file, a .npy header its length matches)."""
+
+    def __init__(self, vectors_dir: str, path: str, check_arrays: bool):
+        from a2ats_conformance.harness.adapter import FUNCTION_NAMES
+
+        self.dir, self.path, self.check_arrays = vectors_dir, path, check_arrays
+        self.functions = set(FUNCTION_NAMES)
+        self.ids: set[str] = set()
+        self.seen: dict[str, None] = {}
+
+    def fail(self, where: str, what: str):
+        raise ManifestError(f"{self.path}: {where}: {what} (VECTORS.md describes the format)")
+
+    def typed(self, obj, key, types, where, *, optional=False):
+        if not isinstance(obj, dict) or key not in obj:
+            if optional and isinstance(obj, dict):
+                return None
+            self.fail(where, f"missing {key!r}")
+        v = obj[key]
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in (types if isinstance(types, tuple)
+                                                                               else (types,))):
+            names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+            self.fail(where, f"{key!r} is {type(v).__name__} {str(v)[:60]!r}, expected {names}")
+        return v
+
+    def array_path(self, rel, where):
+        try:
+            real = inside(self.dir, rel, f"{where}: array path")
+            if rel not in self.seen:
+                self.seen[rel] = None
+                regular_file(real, f"{where}: array {rel!r}:")
+                if self.check_arrays:
+                    check_npy_header(real, f"{where}: array {rel!r}:")
+        except UntrustedFileError as exc:
+            raise ManifestError(f"{self.path}: {exc}") from None
+
+    def value(self, v, where):
+        if not isinstance(v, dict) or len(v) != 1 or not {"array", "value", "dtype"} & set(v):
+            self.fail(where, f"expected {{\"array\": path}}, {{\"value\": v}} or {{\"dtype\": name}}, got {str(v)[:80]}")
+        if "array" in v:
+            self.array_path(self.typed(v, "array", str, where), where)
+        elif "dtype" in v:
+            self.dtype(v, "dtype", where)
+
+    def dtype(self, obj, key, where):
+        name = self.typed(obj, key, str, where)
+        try:
+            ok = np.dtype(name).kind in "biuf"
+        except TypeError:
+            ok = False
+        if not ok:
+            self.fail(where, f"{key} {name!r} is not a numeric or bool dtype name")
+
+    def tolerance(self, case, where):
+        tol = self.typed(case, "tolerance", dict, where)
+        for d in GRADED_DTYPES:
+            pair = tol.get(d)
+            if not (isinstance(pair, list) and len(pair) == 2 and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf") for x in pair)):
+                self.fail(where, f"tolerance[{d!r}] is {str(pair)[:60]}, expected [rtol, atol], finite and >= 0")
+
+    def requires(self, case, where, *, optional=True):
+        from a2ats_conformance.harness.capabilities import CHOICES
+
+        req = self.typed(case, "requires", dict, where, optional=optional) or {}
+        for k, want in req.items():
+            vals = [want] if isinstance(want, str) else want
+            if k not in CHOICES or not isinstance(vals, list) or not all(isinstance(x, str) and x in CHOICES[k]
+                                                                         for x in vals):
+                self.fail(where, f"requires {k!r}: {str(want)[:60]}; known: "
+                          f"{ {c: list(v) for c, v in CHOICES.items()} }")
+
+    def case_id(self, case, where):
+        cid = self.typed(case, "id", str, where)
+        try:
+            safe_name(cid, "id")
+        except UntrustedFileError as exc:
+            self.fail(where, str(exc))
+        if cid in self.ids:
+            self.fail(where, f"id {cid!r} appears twice")
+        self.ids.add(cid)
+        return cid
+
+    def outputs(self, ents, where, names: set):
+        if not isinstance(ents, list):
+            self.fail(where, f"outputs/expect is {type(ents).__name__}, expected a list of output entries")
+        for i, ent in enumerate(ents):
+            w = f"{where}, output {i}"
+            name = self.typed(ent, "name", str, w)
+            try:
+                safe_name(name, "output name")
+            except UntrustedFileError as exc:
+                self.fail(w, str(exc))
+            if name in names:
+                self.fail(w, f"output name {name!r} appears twice")
+            names.add(name)
+            kind = self.typed(ent, "compare", str, w)
+            if kind not in _COMPARE:
+                self.fail(w, f"compare {kind!r} is not one of {sorted(_COMPARE)}")
+            for k in _ARRAY_KEYS:
+                if k in ent:
+                    self.array_path(self.typed(ent, k, str, w), w)
+            need = {"close": ("array", "shape"), "allowed": ("allowed",), "mask": ("must", "may")}.get(kind, ())
+            for k in need:
+                if k not in ent:
+                    self.fail(w, f"compare {kind!r} needs {k!r}")
+            if "shape" in ent:
+                shape = self.typed(ent, "shape", list, w)
+                if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+                    self.fail(w, f"shape {str(shape)[:60]} is not a list of sizes")
+            if kind == "exact":
+                if "dtype" in ent:
+                    self.dtype(ent, "dtype", w)
+                elif "value" in ent:
+                    self.typed(ent, "value", int, w)
+                elif "array" not in ent:
+                    self.fail(w, "compare 'exact' needs 'dtype', 'value' or 'array'")
+            if "code_dtype" in ent:
+                self.dtype(ent, "code_dtype", w)
+            if "over_mask" in ent:
+                mask = self.typed(ent, "over_mask", str, w)
+                if kind != "close" or mask not in {e.get("name") for e in ents if isinstance(e, dict)}:
+                    self.fail(w, f"over_mask {mask!r} names no output of this entry (or compare is not 'close')")
+
+    def call(self, i, case):
+        where = f"calls[{i}]"
+        self.typed(case, "id", str, where)
+        where = f"calls[{i}] ({str(case['id'])[:60]})"
+        self.case_id(case, where)
+        self.typed(case, "clause", str, where)
+        self.typed(case, "note", str, where)
+        fn = self.typed(case, "function", str, where)
+        if fn not in self.functions:
+            self.fail(where, f"function {fn[:60]!r} is not a function of the spec's oracle")
+        for j, a in enumerate(self.typed(case, "args", list, where)):
+            self.value(a, f"{where}, args[{j}]")
+        for k, v in self.typed(case, "kwargs", dict, where).items():
+            self.value(v, f"{where}, kwargs[{k!r}]")
+        if "scale" in case["kwargs"] and not isinstance(case["kwargs"]["scale"].get("value", 0.0),
+                                                        (int, float, type(None))):
+            self.fail(where, "kwargs['scale'] is not a number or null")
+        self.tolerance(case, where)
+        self.requires(case, where)
+        if "expect" in case and case["expect"] != "ValueError":
+            self.fail(where, f"expect {str(case['expect'])[:60]!r}: the only expectation is \"ValueError\"")
+        outs = self.typed(case, "outputs", list, where)
+        if "expect" not in case and not outs:
+            self.fail(where, "no outputs and no \"expect\"")
+        self.outputs(outs, where, set())
+
+    def trace(self, i, t):
+        where = f"traces[{i}]"
+        self.typed(t, "id", str, where)
+        where = f"traces[{i}] ({str(t['id'])[:60]})"
+        self.case_id(t, where)
+        self.typed(t, "clause", str, where)
+        self.typed(t, "note", str, where)
+        self.requires(t, where, optional=False)
+        for k, v in self.typed(t, "config", dict, where).items():
+            self.value(v, f"{where}, config[{k!r}]")
+        self.tolerance(t, where)
+        names: set = set()
+        for n, step in enumerate(self.typed(t, "steps", list, where)):
+            w = f"{where}, step {n}"
+            op = self.typed(step, "op", str, w)
+            if op not in _OPS:
+                self.fail(w, f"op {op[:60]!r} is not one of {list(_OPS)}")
+            for k in _OPS[op]:
+                self.value(self.typed(step, k, dict, w), f"{w}, {k}")
+            if op == "trim":
+                nv = step["n"].get("value")
+                if not isinstance(nv, int) or isinstance(nv, bool) or nv < 0:
+                    self.fail(w, f"trim n is {str(nv)[:40]!r}, expected a count >= 0")
+            self.outputs(self.typed(step, "expect", list, w), w, names)
+
+    def manifest(self, m):
+        for key, types in (("calls", list), ("traces", list), ("seed", int), ("size", str), ("spec_version", str),
+                           ("spec_sha256", str)):
+            self.typed(m, key, types, "the manifest")
+        for i, c in enumerate(m["calls"]):
+            self.call(i, c)
+        for i, t in enumerate(m["traces"]):
+            self.trace(i, t)
+
+
+def load_vectors(vectors_dir: str, *, check_arrays: bool = True):
+    """-> (manifest, decode) where decode turns a manifest entry into its value; ValueError (ManifestError) on
+    another format or a manifest that is not well-formed (VECTORS.md, "Untrusted files"), before any array is
+    read. ``check_arrays``: also check every array's .npy header against its file's length."""
     path = os.path.join(vectors_dir, "manifest.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         raise ValueError(f"{vectors_dir}: no manifest.json; write vectors with "
-                         f"'a2ats-conformance vectors --out {vectors_dir}'") from None
+                         f"'a2ats-conformance vectors --out {vectors_dir}'")
+    try:
+        inside(vectors_dir, "manifest.json", "manifest")
+        manifest = read_json(path, "manifest", follow=True)
+    except UntrustedFileError as exc:
+        raise ManifestError(str(exc)) from None
     fmt = manifest.get("format") if isinstance(manifest, dict) else None
     if fmt == FORMAT_V1:
         raise ValueError(f"{vectors_dir}: these are {FORMAT_V1} vectors (stateless calls only, no cache traces); this "
                          f"reader reads {FORMAT}. Regenerate them with 'a2ats-conformance vectors --out DIR'")
     if fmt != FORMAT:
-        raise ValueError(f"{vectors_dir}: not {FORMAT} vectors (format {fmt!r}); regenerate them with "
+        raise ValueError(f"{vectors_dir}: not {FORMAT} vectors (format {str(fmt)[:80]!r}); regenerate them with "
                          f"'a2ats-conformance vectors --out DIR'")
+    _Check(vectors_dir, path, check_arrays).manifest(manifest)
 
     def dec(v):
-        if isinstance(v, str):
-            return np.load(os.path.join(vectors_dir, v), allow_pickle=False)
-        if "array" in v:
-            return np.load(os.path.join(vectors_dir, v["array"]), allow_pickle=False)
+        rel = v if isinstance(v, str) else v.get("array")
+        if rel is not None:
+            real = inside(vectors_dir, rel, "array path")
+            return read_npy(real, f"vectors array {rel!r}:")
         if "dtype" in v:
             return np.dtype(v["dtype"])
         return v["value"]
@@ -630,7 +863,28 @@ def _save_answer(path: str, value) -> None:
     a = np.asarray(value)
     if a.dtype.kind == "f" and a.dtype.itemsize < 4:
         a = a.astype(np.float32)  # .npy has no bfloat16; float16 answers are widened losslessly
-    np.save(path, a, allow_pickle=False)
+    with _writing(path) as f:
+        np.save(f, a, allow_pickle=False)
+
+
+class _writing:
+    """A file written in an output folder: never through a symlink left there; OSError names the path."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        self.f = open_new_file(self.path)
+        return self.f
+
+    def __exit__(self, kind, exc, tb):
+        try:
+            self.f.close()
+        except OSError as e:
+            exc = exc or e
+        if isinstance(exc, OSError) and not isinstance(exc, UntrustedFileError):
+            raise UntrustedFileError(f"{self.path}: cannot be written ({exc.strerror or exc})") from None
+        return False
 
 
 def write_answers(vectors_dir: str, adapter, answers_dir: str, dtype: str | None = None) -> str:
@@ -653,11 +907,11 @@ def write_answers(vectors_dir: str, adapter, answers_dir: str, dtype: str | None
         pass
     from a2ats_conformance.harness import capabilities
 
-    os.makedirs(answers_dir, exist_ok=True)
+    _make_folder(answers_dir, "answers folder")
     caps = capabilities.read(adapter)
-    with open(os.path.join(answers_dir, "answers.json"), "w", encoding="utf-8") as f:
-        json.dump({"name": adapter.name, "version": adapter.version, "dtype": dtype, "capabilities": caps.as_dict()},
-                  f, indent=1)
+    with _writing(os.path.join(answers_dir, "answers.json")) as f:
+        f.write(json.dumps({"name": adapter.name, "version": adapter.version, "dtype": dtype,
+                            "capabilities": caps.as_dict()}, indent=1).encode())
     np_dtype = np.float64 if dtype == "float64" else np.float32
     cast = lambda x: x.astype(np_dtype) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x  # noqa: E731
     for case in manifest["calls"]:
@@ -669,8 +923,8 @@ def write_answers(vectors_dir: str, adapter, answers_dir: str, dtype: str | None
         try:
             got = to_numpy(fn(*args, **kwargs))
         except ValueError as exc:
-            with open(os.path.join(answers_dir, f"{case['id']}.error"), "w", encoding="utf-8") as f:
-                f.write(f"ValueError: {exc}\n")
+            with _writing(os.path.join(answers_dir, f"{case['id']}.error")) as f:
+                f.write(f"ValueError: {exc}\n".encode("utf-8", "replace"))
             continue
         except Exception:  # noqa: BLE001 - a crash is a missing answer; the grader says which
             continue
@@ -700,19 +954,41 @@ def check_vectors(vectors_dir: str, adapter, dtype: str | None = None) -> list[t
             for cid, r in results.items() if r["outcome"] != "passed"]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="a2ats-conformance vectors", description="write oracle golden vectors")
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--seed", type=int, default=0)
+def _seed(text: str) -> int:
+    """argparse type of --seed (argparse names the flag in its message)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v} (numpy's generator takes no negative seed)")
+    return v
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="a2ats-conformance vectors", description="write oracle golden vectors "
+                                "(VECTORS.md) for ports in any language",
+                                epilog="exit status: 0 when written (and, with --check, every case passes); 1 when a "
+                                       "--check case fails; 2 on a usage error or a folder that cannot be written")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write manifest.json and arrays/ into")
+    p.add_argument("--seed", type=_seed, default=0, help="generator seed, an integer >= 0 (default 0)")
     p.add_argument("--size", default="small", choices=SIZES,
                    help="small (default): edge cases and small random cases; full: plus realistic shapes")
     p.add_argument("--check", default=None, metavar="IUT", help="also answer with an adapter 'module:object' and grade it")
     p.add_argument("--dtype", default=None, help="dtype for --check: float32 or float64 (default: the adapter's first)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     import time
 
     t0 = time.perf_counter()
-    path = write_vectors(a.out, a.seed, a.size)
+    try:
+        path = write_vectors(a.out, a.seed, a.size)
+    except ValueError as exc:    # an empty, read-only or full --out
+        print(f"a2ats-conformance vectors: {exc}", file=sys.stderr)
+        return 2
     manifest, _ = load_vectors(a.out)
     print(f"wrote {len(manifest['calls'])} calls and {len(manifest['traces'])} traces ({a.size}) to {path} "
           f"in {time.perf_counter() - t0:.1f} s")
