@@ -188,6 +188,16 @@ def _load_checked(path: Path):
     return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
+def mlx_installed() -> bool:
+    """Whether ``mlx`` can be imported, found without importing it (so the preload can still precede it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("mlx") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def preload() -> dict:
     """Load OpenBLAS globally (Linux only, once). Returns :func:`blas_status`.
 
@@ -201,6 +211,10 @@ def preload() -> dict:
         return blas_status()  # macOS uses Accelerate; nothing to do
     if os.environ.get(OPT_OUT_ENV, "").strip() not in ("", "0"):
         _state["opted_out"] = True
+        return blas_status()
+    if not mlx_installed():
+        # The preload serves MLX only; without it, a global BLAS would only shadow the one a port's framework links.
+        _state["error"] = "MLX is not installed; no BLAS was loaded (nothing here needs one)"
         return blas_status()
     _state["mlx_imported_before"] = "mlx.core" in sys.modules
     if _state["mlx_imported_before"]:

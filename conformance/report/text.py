@@ -254,6 +254,14 @@ def _md_failure(cid: str, c: dict) -> list[str]:
     return out + [""]
 
 
+def versions_line(report: dict) -> str:
+    """Suite, spec, Python and MLX versions; a port's environment need not have MLX, and the line says so."""
+    plat = report.get("platform") or {}
+    mlx = f"MLX {plat['mlx']}" if plat.get("mlx") else "MLX not installed"
+    return (f"suite {report.get('suite_version', '?')}, spec {(report.get('spec') or {}).get('version', '?')}, "
+            f"Python {plat.get('python', '?')}, {mlx}")
+
+
 def format_markdown(report: dict) -> str:
     impl = report["implementation"]
     out = ["# A2ATS conformance report", ""]
@@ -261,6 +269,7 @@ def format_markdown(report: dict) -> str:
         out += [f"> **{run_line(report)}**", ""]
     out += [f"- implementation: **{impl.get('name', '?')}** {impl.get('version', '')} (`{impl.get('iut', '')}`)",
             f"- dtype: {impl.get('dtype', '?')}; Hypothesis profile: {report['profile']}; wall: {report['wall_s']} s",
+            f"- versions: {versions_line(report)}",
             f"- missing callables: {', '.join(impl.get('missing', [])) or 'none'}",
             f"- declared capabilities: {_caps_line(impl.get('capabilities'))}",
             f"- counterexamples: `{(report.get('run') or {}).get('counterexample_dir', '-')}`", "",

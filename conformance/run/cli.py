@@ -218,12 +218,18 @@ def check_iut(iut) -> str:
     an adapter that exits or hangs on import must not take this process with it)."""
     import importlib.util
 
-    from a2ats_conformance.harness.adapter import AdapterError, resolve_iut_spec
+    from a2ats_conformance.harness.adapter import DEFAULT_IUT, AdapterError, resolve_iut_spec
 
     try:
         spec = resolve_iut_spec(iut)
     except AdapterError as exc:
         return str(exc)
+    if spec == DEFAULT_IUT:
+        missing = [m for m in ("mlx", "mlx_lm") if not _importable(m)]
+        if missing:
+            return (f"IUT {spec!r} is the MLX reference, which needs the [mlx] extra (pip install 'a2ats-ref[mlx]'; "
+                    f"{' and '.join(missing)} not installed); to test another implementation give --iut "
+                    "package.module:Adapter or $A2ATS_IUT, e.g. --iut a2ats_conformance.adapters.oracle:OracleAdapter")
     top = spec.partition(":")[0].split(".")[0]
     try:
         found = importlib.util.find_spec(top) is not None
@@ -233,6 +239,15 @@ def check_iut(iut) -> str:
         return (f"IUT {spec!r}: cannot import module {top!r} (not on the import path). Give an importable module, "
                 f"e.g. --iut mypkg.a2ats_adapter:Adapter, and put its folder on PYTHONPATH if it is not installed")
     return ""
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 if __name__ == "__main__":
