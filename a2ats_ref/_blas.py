@@ -102,6 +102,37 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _memfd_copy(data: bytes, name: str) -> int:
+    """An in-memory file (memfd) holding exactly ``data``; returns its descriptor. Raises OSError naming ``name``.
+
+    dlopen maps the file: a copy cut short (a file-size limit, RLIMIT_FSIZE / ``ulimit -f``; a full tmpfs) would
+    map pages past its end, and the first call into them kills the process with SIGBUS. So the limit is checked
+    before writing (writing past it raises SIGXFSZ, which kills a process that does not ignore it), every write
+    is checked, and the file's final size must equal len(data).
+    """
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY and len(data) > soft:
+        raise OSError(f"the file-size limit (RLIMIT_FSIZE, ulimit -f) of {soft} bytes is below the "
+                      f"{len(data)} bytes of the in-memory copy of {name}")
+    fd = os.memfd_create(name)
+    try:
+        view, done = memoryview(data), 0
+        while done < len(data):
+            n = os.write(fd, view[done:])
+            if n <= 0:
+                break
+            done += n
+        size = os.fstat(fd).st_size
+        if done != len(data) or size != len(data):
+            raise OSError(f"short write: {size} of {len(data)} bytes of the in-memory copy of {name} were stored")
+    except OSError as exc:
+        os.close(fd)
+        raise OSError(f"could not copy {name} into memory: {exc}") from None
+    return fd
+
+
 def _gfortran_shim() -> None:
     """Make ``libgfortran.so.5`` resolvable when the system lacks it.
 
@@ -125,8 +156,7 @@ def _gfortran_shim() -> None:
                 if old not in data or len(old) < len(b"libgfortran.so.5\0"):
                     continue
                 new = b"libgfortran.so.5".ljust(len(old), b"\0")
-                fd = os.memfd_create("libgfortran.so.5")
-                os.write(fd, data.replace(old, new))
+                fd = _memfd_copy(data.replace(old, new), "libgfortran.so.5")
                 ctypes.CDLL(f"/proc/self/fd/{fd}", mode=ctypes.RTLD_GLOBAL)
                 return
     raise OSError("libgfortran.so.5 not found (apt-get install libgfortran5)")
@@ -158,6 +188,16 @@ def _load_checked(path: Path):
     return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
+def mlx_installed() -> bool:
+    """Whether ``mlx`` can be imported, found without importing it (so the preload can still precede it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("mlx") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def preload() -> dict:
     """Load OpenBLAS globally (Linux only, once). Returns :func:`blas_status`.
 
@@ -171,6 +211,10 @@ def preload() -> dict:
         return blas_status()  # macOS uses Accelerate; nothing to do
     if os.environ.get(OPT_OUT_ENV, "").strip() not in ("", "0"):
         _state["opted_out"] = True
+        return blas_status()
+    if not mlx_installed():
+        # The preload serves MLX only; without it, a global BLAS would only shadow the one a port's framework links.
+        _state["error"] = "MLX is not installed; no BLAS was loaded (nothing here needs one)"
         return blas_status()
     _state["mlx_imported_before"] = "mlx.core" in sys.modules
     if _state["mlx_imported_before"]:
@@ -203,7 +247,8 @@ def preload() -> dict:
         break
     if _state["loaded"] is None:
         _state["error"] = "; ".join(errors)
-        warnings.warn(f"a2ats_ref: could not load OpenBLAS ({_state['error']})", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"a2ats_ref: could not load OpenBLAS ({_state['error']}); MLX keeps its reference BLAS "
+                      "(correct, but its matmuls are much slower)", RuntimeWarning, stacklevel=2)
         return blas_status()
     _state["effective"] = True
     return blas_status()

@@ -62,6 +62,16 @@ def check_finite(a: mx.array, name: str) -> None:
         raise ValueError(f"{name}: expected finite values, found {bad} NaN/inf entries")
 
 
+def check_no_overflow(a: mx.array, name: str, inputs: str) -> mx.array:
+    """``a`` computed from finite inputs: an inf/NaN entry means a product or sum overflowed float32 (max ~3.4e38),
+    and the result would be garbage; raise, naming the result and the inputs to scale down."""
+    if a.size and not mx.all(mx.isfinite(a)).item():
+        bad = int(mx.sum(~mx.isfinite(a)).item())
+        raise ValueError(f"{name}: float32 overflow ({bad} inf/NaN entries from finite inputs); {inputs} are too "
+                         "large in magnitude: scale them down")
+    return a
+
+
 def check_ndim(a: mx.array, name: str, min_ndim: int, layout: str) -> None:
     if a.ndim < min_ndim:
         raise ValueError(f"{name}: expected shape {layout} (at least {min_ndim} dims), got shape {tuple(a.shape)}")
@@ -135,6 +145,18 @@ def check_nonneg_int(v, name: str) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
         raise ValueError(f"{name}: expected a non-negative integer, got {v!r}")
     return int(v)
+
+
+def check_bool(v, name: str) -> bool:
+    """A real bool (or NumPy bool): bool("no") and bool(1.0) are True, so a string or number would pick a branch
+    the caller did not ask for."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise ValueError(f"{name}: expected True or False, got {v!r} ({type(v).__name__})")
+    return bool(v)
+
+
+#: 2^24: float32 holds every integer below it, not all above (R_b's angle is b * inv_freq in float32)
+B_LIMIT = 1 << 24
 
 
 def check_pos_int(v, name: str) -> int:

@@ -38,4 +38,5 @@ def query_moment(queries, *, n_kv_heads: int, b: int, inv_freqs, traditional: bo
     rms = mx.sqrt(mx.mean(H * H, axis=(-2, -1), keepdims=True))
     if not mx.all(rms > 0).item():
         raise ValueError("queries: a KV head's queries are all zero, so H cannot be RMS-normalised")
-    return H / rms + float(ridge) * mx.eye(d, dtype=mx.float32)
+    out = H / rms + float(ridge) * mx.eye(d, dtype=mx.float32)
+    return checks.check_no_overflow(out, "H (EQ-10)", "queries")

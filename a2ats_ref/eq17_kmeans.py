@@ -335,6 +335,9 @@ def kmeans(
     for s in range(1, max_iter + 1):
         C, _, f = _step(z, C)
         mx.eval(C)
+        if not math.isfinite(f):   # squared distances overflowed float32: the assignments are garbage
+            raise ValueError(f"z: float32 overflow in k-means step {s} (objective {f}); the points are too large "
+                             "in magnitude: scale them down")
         history.append(f)
         if progress is not None:
             progress(s, f)

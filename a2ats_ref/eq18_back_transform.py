@@ -22,4 +22,4 @@ def back_transform(Cz, L) -> mx.array:
     Lt = mx.broadcast_to(mx.swapaxes(L, -1, -2), lead + (d, d))
     rhs = mx.broadcast_to(mx.swapaxes(Cz, -1, -2), lead + (d, Cz.shape[-2]))
     Ct = mx.linalg.solve_triangular(Lt, rhs, upper=True, stream=mx.cpu)
-    return mx.swapaxes(Ct, -1, -2)
+    return checks.check_no_overflow(mx.swapaxes(Ct, -1, -2), "C = Cz L^-1 (EQ-18)", "Cz (or 1 / L's diagonal)")

@@ -178,6 +178,7 @@ def retrieval_attention(q, k, v, mask, *, scale=None) -> mx.array:
     qg = q.reshape(q.shape[:-2] + (n_kv, G, d))
     bias = mx.where(m, 0.0, -mx.inf)[..., :, None, :]
     out = attend(qg, k, v, bias, attention_scale(scale, d), vdt)
+    checks.check_no_overflow(out, "retrieval_attention output (RET-ATTN)", "q . k logits (q, k or scale) or v")
     return out.reshape(out.shape[:-3] + (n_q, v.shape[-1]))
 
 

@@ -4,7 +4,7 @@ DeprecationWarning: each old name is an alias of the new module object (a2ats_re
 
 from __future__ import annotations
 
-from a2ats_ref._moved import alias_finder
+from a2ats_ref._moved import alias_finder  # a2ats_ref's package init loads no MLX, and its BLAS preload needs MLX
 
 #: old module path -> the module it now is (a2ats_ref/CHANGELOG.md records the move)
 MOVED = {

@@ -30,6 +30,9 @@ CLAUSE_FREE = {
     "suite/test_profile.py": "the port profile and its catalogue: which variant a port shows, not a clause's rule",
     "suite/test_conformance.py": "the conformance CLI run against the reference: every clause at once, judged by the suite",
     "suite/test_conformance_honesty.py": "the suite's harness: timeouts, crashes, interrupts, partial adapters",
+    "suite/test_tolerance_flakes.py": "the suite's tolerance table against many seeds: a meta-test of the suite, "
+                                      "whose properties carry the clauses",
+    "suite/test_tripwire.py": "which runtime branches a conformance run executes: coverage of the suite, not a rule",
     "suite/test_conformance_meta.py": "the suite's own structure: every clause has a property, every property a clause",
     "suite/test_coverage_mutants.py": "the suite against mutant ports; each case's clause is data (expected_clause)",
     "suite/test_diagnosis.py": "the diagnosis of failures: which deviation a report names",

@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"a2ats_ref": ROOT / "a2ats_ref", "a2ats_spec": ROOT / "spec", "a2ats_conformance": ROOT / "conformance"}
 UPPER = ("a2ats_ref.runtime", "a2ats_ref.calibration", "a2ats_ref.bench", "a2ats_ref.files")
@@ -119,8 +117,6 @@ def test_the_reference_never_imports_the_suite():
             and any(t.startswith("a2ats_conformance") for t in ts)} == {}
 
 
-@pytest.mark.xfail(strict=True, reason="the oracle re-exports OracleCache from oracle_cache, and the suite's "
-                   "cli/grade/report/vectors/versions import each other; strict, so the fix flips it")
 def test_spec_and_suite_have_no_import_cycle():
     graph = import_graph()
     assert cycles(graph, "a2ats_spec") + cycles(graph, "a2ats_conformance") == []

@@ -76,6 +76,37 @@ def head_seed(seed: int, layer: int, head: int) -> int:
     return int(np.random.SeedSequence([seed, layer, head]).generate_state(1)[0])
 
 
+def query_factors(col) -> tuple[mx.array, mx.array]:
+    """EQ-10 and EQ-15 for every (layer, KV head) of a collection: H (n_layers, n_kv, d, d) and its Cholesky L."""
+    H = mx.stack([_collect.moment_from_sums(col.qsum[l], col.qcount[l]) for l in range(len(col.qsum))])  # EQ-10
+    L = cholesky(H)  # EQ-15, one batched call for every (layer, KV head)
+    mx.eval(H, L)
+    return H, L
+
+
+def head_z(keys, L) -> np.ndarray:
+    """EQ-16 for one KV head: z = k L of its pre-RoPE calibration keys (N, d), as float32 NumPy."""
+    return np.array(z_transform(mx.array(keys), L))
+
+
+def fit_head(z: np.ndarray, K: int, *, seed: int, max_iter: int, tol: float, stats: dict | None = None,
+             init: np.ndarray | None = None) -> tuple[mx.array, np.ndarray]:
+    """EQ-17 for one KV head: k-means++ (EQ-17-INIT, from ``seed``; ``init`` when seeded ahead by seed_centres)
+    and Lloyd steps in z-space -> (Cz (K, d), objective history)."""
+    if init is None:
+        init = seed_centres(z, K, seed)
+    C, _, hist = kmeans(mx.array(z), K, seed=seed, max_iter=max_iter, tol=tol, stats=stats, assign=False, init=init)
+    return C, hist
+
+
+def fit_layer(keys, L, K: int, *, seed: int, layer: int, max_iter: int = DEFAULTS["max_iter"],
+              tol: float = DEFAULTS["tol"]) -> mx.array:
+    """One layer's z-space codebook, head by head as a2ats-calibrate fits it (EQ-16, EQ-17, the seeds of
+    head_seed): keys (n_kv, N, d) pre-RoPE, L (n_kv, d, d) -> Cz (n_kv, K, d). L = I gives plain VQ."""
+    return mx.stack([fit_head(head_z(keys[h], L[h]), K, seed=head_seed(seed, layer, h), max_iter=max_iter,
+                              tol=tol)[0] for h in range(len(keys))])
+
+
 def _log(msg: str, quiet: bool) -> None:
     if not quiet:
         print(msg, file=sys.stderr, flush=True)
@@ -253,9 +284,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
 
     cz_layers, L_layers, iters, objectives, last_rel = [], [], [], [], []
     t0 = time.perf_counter()
-    H_all = mx.stack([_collect.moment_from_sums(col.qsum[l], col.qcount[l]) for l in range(n_layers)])  # EQ-10
-    L_all = cholesky(H_all)  # EQ-15, one batched call for every (layer, KV head)
-    mx.eval(L_all)
+    _, L_all = query_factors(col)
     t_moment = time.perf_counter() - t0
     t_kmeans = 0.0
     km_stats: dict = {}   # k-means++ and Lloyd seconds and nominal FLOPs, summed over the heads fitted here
@@ -285,7 +314,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
     def seed_ahead(i: int) -> None:
         if i < len(todo) and i not in ahead:
             l, h = todo[i]
-            z = np.array(z_transform(mx.array(col.keys[l][h]), L_all[l][h]))  # EQ-16
+            z = head_z(col.keys[l][h], L_all[l][h])
             ahead[i] = (z, pool.submit(_timed_seed, z, K, head_seed(seed, l, h)))
 
     try:
@@ -314,8 +343,8 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
                     # elements do not depend on OpenBLAS's thread count at these shapes: same centres).
                     idle = on_cpu and all(f.done() for _, f in ahead.values())
                     with _blas.mlx_blas_threads(os.cpu_count() or 2) if idle else contextlib.nullcontext():
-                        C, _, hist = kmeans(mx.array(z), K, seed=head_seed(seed, l, h), max_iter=max_iter, tol=tol,
-                                            stats=head_stats, assign=False, init=C0)  # EQ-17
+                        C, hist = fit_head(z, K, seed=head_seed(seed, l, h), max_iter=max_iter, tol=tol,
+                                           stats=head_stats, init=C0)
                     for k, v in head_stats.items():
                         km_stats[k] = km_stats.get(k, 0) + v
                         layer_stats[k] = layer_stats.get(k, 0) + v

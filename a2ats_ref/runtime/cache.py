@@ -5,11 +5,12 @@ The cache holds the post-RoPE keys and values exactly as mlx-lm hands them (same
 and KV head, the index of the nearest z-space codeword of the token's
 position-free key (EQ-12 de-rotation at the token's own position, then EQ-16
 assignment z = k L -> nearest row of Cz). Codes are computed once per token and
-nothing already cached is ever re-rotated, but not on append: a token's code is
-first read when it leaves the recent window (window tokens are always attended),
-so decode assigns every pending token in one batch when the oldest of them is
-about to leave it (one codebook read per ~w tokens instead of one per token), and
-codes_view()/state assign whatever is pending on demand. A code does not depend on
+nothing already cached is ever re-rotated. A prefill chunk (more than one token)
+is coded as it is appended; a decode token's code is first read when it leaves the
+recent window (window tokens are always attended), so decode assigns the pending
+tokens in one batch when the oldest of them is about to leave it (one codebook read
+per ~w tokens instead of one per token), and codes_view()/state assign whatever is
+pending on demand. A code does not depend on
 when it is computed, so every clause sees the same codes as with eager assignment.
 
 Attention itself is chosen by the hook (a2ats_ref.runtime.hook.enable_a2ats):
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import threading
 import warnings
 import weakref
 from dataclasses import asdict, dataclass
@@ -68,6 +70,13 @@ RANDOM_CODEBOOK_WARNING = (
 )
 
 
+NO_HOOK_WARNING = (
+    "A2ATS caches are in use but the model's attention never called A2ATSCache.decode: mlx-lm ran dense attention "
+    "over every token. Call a2ats_ref.hook.enable_a2ats(model) once before generating."
+)
+_warned_no_hook = [False]   # once per process: a server's every request would repeat it
+
+
 # --------------------------------------------------------------------------- config
 
 
@@ -92,6 +101,9 @@ class A2ATSConfig:
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
                 raise ValueError(f"A2ATSConfig.{name}: expected a non-negative int, got {v!r}")
             object.__setattr__(self, name, int(v))
+        if self.b >= checks.B_LIMIT:
+            raise ValueError(f"A2ATSConfig.b: expected b < 2^24 = {checks.B_LIMIT} (float32 does not hold every "
+                             f"integer above; the authors use 2048), got {self.b}")
         checks.check_topk(self.topk)  # ValueError names topk and the accepted forms
         t = self.topk
         object.__setattr__(self, "topk", int(t) if isinstance(t, numbers.Integral) else float(t))
@@ -139,7 +151,8 @@ class LayerCodebook:
         z_operands), which are about as large again; from_z builds them up front."""
         derived = [self.__dict__[k] for k in ("CT", "z_operands") if k in self.__dict__]
         flat = [a for x in derived for a in (x if isinstance(x, tuple) else (x,))]
-        return self.Cz.nbytes + self.L.nbytes + self.C.nbytes + sum(a.nbytes for a in flat)
+        c = 0 if self.__dict__.get("_C_views_CT") else self.C.nbytes   # from_z's C is a view of CT's buffer
+        return self.Cz.nbytes + self.L.nbytes + c + sum(a.nbytes for a in flat)
 
     @cached_property
     def CT(self) -> mx.array:
@@ -171,8 +184,10 @@ class LayerCodebook:
         C = back_transform(Cz, L)  # EQ-18, batched over KV heads
         mx.eval(C)
         checks.check_finite(C, "C = Cz L^-1 (EQ-18)")
-        lc = cls(Cz=Cz, L=L, C=C)
-        lc.CT, lc.z_operands  # noqa: B018 - built now, so nbytes is what the codebook holds in use
+        CT = prepare_codebook(C)
+        lc = cls(Cz=Cz, L=L, C=mx.swapaxes(CT, -1, -2))   # one buffer for C and its transpose, counted once
+        lc.__dict__.update(CT=CT, _C_views_CT=True)
+        lc.z_operands  # noqa: B018 - built now, so nbytes is what the codebook holds in use
         return lc
 
 
@@ -232,19 +247,22 @@ class A2ATSCodebook:
 
 
 def random_codebook(n_layers: int, n_kv_heads: int, head_dim: int, K: int = 256, *, seed: int = 0) -> A2ATSCodebook:
-    """A random codebook for wiring tests only (warns). Cz ~ N(0, 1); L = Cholesky of a random SPD matrix."""
+    """A random codebook for wiring tests only (warns). Cz ~ N(0, 1); L = Cholesky of a random SPD matrix.
+
+    Drawn and factorised by NumPy in float64, then rounded to float32: the bits depend on the seed only, not on
+    which BLAS MLX runs (that depends on whether mlx was imported before a2ats_ref).
+    """
     for name, v in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("K", K)):
         checks.check_pos_int(v, name)
     d = checks.check_head_dim(head_dim)
     checks.check_codebook_size(K)
     warnings.warn(RANDOM_CODEBOOK_WARNING, UserWarning, stacklevel=2)
-    key = mx.random.key(seed)
-    k1, k2 = mx.random.split(key)
-    Cz = mx.random.normal((n_layers, n_kv_heads, K, d), key=k1)
-    A = mx.random.normal((n_layers, n_kv_heads, d, d), key=k2) / math.sqrt(d)
-    H = A @ mx.swapaxes(A, -1, -2) + 0.5 * mx.eye(d)
-    L = mx.linalg.cholesky(H, stream=mx.cpu)
-    L = mx.tril(L)
+    rng = np.random.default_rng(checks.check_nonneg_int(seed, "seed"))
+    Cz = rng.standard_normal((n_layers, n_kv_heads, K, d)).astype(np.float32)
+    A = rng.standard_normal((n_layers, n_kv_heads, d, d)) / math.sqrt(d)
+    H = A @ np.swapaxes(A, -1, -2) + 0.5 * np.eye(d)
+    L = np.tril(np.linalg.cholesky(H)).astype(np.float32)
+    Cz, L = mx.array(Cz), mx.array(L)
     return A2ATSCodebook(Cz, L, random=True)
 
 
@@ -285,8 +303,9 @@ def assign_codes(k_post: mx.array, positions: mx.array, codebook: LayerCodebook,
 
 # --------------------------------------------------------------------------- the cache
 
-#: (position, d, traditional, rope) -> (cos, sin) of the query angle, shared by the layers (A2ATSCache._query_angle)
-_QUERY_ANGLES: dict = {}
+#: per thread, (position, d, traditional, rope) -> (cos, sin) of the query angle, shared by the layers
+#: (A2ATSCache._query_angle); per thread, because a lazy array made in one thread fails in another
+_QUERY_ANGLES = threading.local()
 
 
 class A2ATSCache(_BaseCache):
@@ -310,7 +329,7 @@ class A2ATSCache(_BaseCache):
             raise ValueError(f"config: expected an A2ATSConfig, got {type(config).__name__}")
         self.codebook = codebook
         self.inv_freqs = checks.check_inv_freqs(inv_freqs, codebook.head_dim)
-        self.traditional = bool(traditional)
+        self.traditional = checks.check_bool(traditional, "traditional")
         # EQ-12 on the device: the mx.fast.rope arguments the model used (None: keys were rotated by m * inv_freqs)
         self.fast_rope = fast_rope
         self.config = config
@@ -323,6 +342,7 @@ class A2ATSCache(_BaseCache):
         # kept on the host from the host codes of each batch; _counts_mx is its mx copy, made when a decode needs it
         self._counts = self._counts_mx = None
         self._last_selection = None
+        self._undecoded = False   # the last append was one token and no decode has read it (no hook)
 
     #: decode_step_fast's selection method ("auto": chosen per device; "host", "mlx", "sortfree" force one)
     select_method = "auto"
@@ -334,6 +354,11 @@ class A2ATSCache(_BaseCache):
     def update_and_fetch(self, keys, values):
         self._check_kv(keys, values)
         prev, t = self.offset, keys.shape[2]
+        if self._undecoded and t == 1 and not _warned_no_hook[0]:
+            # two decode steps in a row without decode(): the attention is not A2ATS's, and nothing else would say so
+            _warned_no_hook[0] = True
+            warnings.warn(NO_HOOK_WARNING, UserWarning, stacklevel=2)
+        self._undecoded = t == 1
         if self.keys is not None and prev == 0 and keys.shape[0] != self.keys.shape[0]:
             # Empty (e.g. trimmed to 0) with another batch size: start fresh buffers rather than let
             # the old ones broadcast the new batch into the wrong shape. Nothing cached is lost.
@@ -346,7 +371,12 @@ class A2ATSCache(_BaseCache):
         self.offset += t
         self.keys[..., prev : self.offset, :] = keys
         self.values[..., prev : self.offset, :] = values
-        return self.keys_and_values()   # codes: assigned later, in a batch (_assign_pending)
+        if t > 1:
+            # A prefill chunk is coded with it: left pending, a long prefill's tokens would all be coded by the
+            # first decode (a 32K prompt: seconds in one step, no progress). Decode appends stay pending, coded
+            # in batches of about w + 1 (_assign_pending).
+            self._assign_pending(self.offset)
+        return self.keys_and_values()
 
     def _assign_pending(self, upto: int) -> None:
         """Make sure tokens [0, upto) have codes: if any is pending, code every pending token (one batch).
@@ -507,7 +537,7 @@ class A2ATSCache(_BaseCache):
         cfg, rope = v
         self.config = A2ATSConfig.from_json(cfg)
         r = json.loads(rope)
-        self.traditional = bool(r["traditional"])
+        self.traditional = checks.check_bool(r.get("traditional"), "meta_state: traditional")
         self.inv_freqs = mx.array([float.fromhex(x) for x in r["inv_freqs"]], dtype=mx.float32)
         self.fast_rope = fast_rope_from_json(r.get("fast_rope"))
 
@@ -526,7 +556,7 @@ class A2ATSCache(_BaseCache):
         cfg_json, rope_json = meta_state
         r = json.loads(rope_json)
         obj = cls(codebook, mx.array([float.fromhex(x) for x in r["inv_freqs"]], dtype=mx.float32),
-                  bool(r["traditional"]), A2ATSConfig.from_json(cfg_json),
+                  checks.check_bool(r.get("traditional"), "meta_state: traditional"), A2ATSConfig.from_json(cfg_json),
                   fast_rope=fast_rope_from_json(r.get("fast_rope")))
         obj.state = state
         return obj
@@ -571,6 +601,7 @@ class A2ATSCache(_BaseCache):
         # Scores read the codes of tokens j < offset - w only (the window is always attended): pending tokens
         # are coded together once the oldest of them reaches that range, i.e. about once every w + 1 tokens.
         self._assign_pending(self.offset - cfg.w)
+        self._undecoded = False
         out, self._last_selection = decode_step_fast(
             queries, self.keys, self.values, self.codes, cb.CT, query_pos=self.offset - 1, b=cfg.b, w=cfg.w,
             sinks=cfg.sinks, topk=cfg.topk, inv_freqs=self.inv_freqs, traditional=self.traditional,
@@ -592,12 +623,13 @@ class A2ATSCache(_BaseCache):
         # freqs by identity: the entry keeps the array alive, so its id cannot name another array meanwhile
         rope = ("freqs", id(fr["freqs"])) if "freqs" in fr else (fr["base"], fr["scale"])
         key = (pos, d, self.traditional, rope, str(mx.default_device()))
-        if key not in _QUERY_ANGLES:
-            if next(iter(_QUERY_ANGLES), (None,))[0] != pos:
-                _QUERY_ANGLES.clear()   # only the current position's tables are kept
+        angles = _QUERY_ANGLES.__dict__
+        if key not in angles:
+            if next(iter(angles), (None,))[0] != pos:
+                angles.clear()   # only the current position's tables are kept
             c, s = applied_cos_sin(mx.array([pos]), d, self.traditional, fr)
-            _QUERY_ANGLES[key] = (c[0], s[0], fr)
-        return _QUERY_ANGLES[key][:2]
+            angles[key] = (c[0], s[0], fr)
+        return angles[key][:2]
 
     @property
     def last_selection(self) -> Optional[mx.array]:

@@ -23,7 +23,7 @@ def suite_version() -> str:
 def versions() -> dict:
     from a2ats_spec.clauses import SPEC_VERSION, spec_sha256
 
-    from a2ats_conformance.vectors.export import FORMAT
+    from a2ats_conformance.vectors.manifest import FORMAT
 
     return {"package": suite_version(), "spec": SPEC_VERSION, "spec_sha256": spec_sha256(),
             "vectors_format": FORMAT, "report_format": REPORT_FORMAT}

@@ -5,7 +5,8 @@ process, hang in native code, be interrupted -- the run still ends in a report t
 The child is ``python -m pytest`` on the installed suite with the plugin's stream options (plugin.py).  If it
 dies while a test runs, that test is recorded as ``crash`` (or ``timeout``, when the watchdog's stack dump is
 there) and a fresh child runs the remaining tests.  If it dies before the adapter is loaded, the run is an
-error.  On Ctrl-C the child is interrupted too, and every test that did not finish reads ``interrupted``.
+error.  On Ctrl-C the child is interrupted too, and every test that did not finish reads ``interrupted``, also when the
+child has to be killed because it did not stop in time (the supervisor's kill is not a crash of the IUT).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def _run_child_suite(pytest_args: list[str], *, quiet: bool) -> Outcome:
                                     stdout=subprocess.DEVNULL if quiet else None, preexec_fn=_default_sigint)
             code, interrupted = _wait(proc)
             events = read_stream(stream)
-            finished = _absorb(out, events[seen:], run_dir, code)   # this child's events only
+            finished = _absorb(out, events[seen:], run_dir, code, interrupted)   # this child's events only
             seen = len(events)
             out["pytest_exit"] = code
             if interrupted:
@@ -170,9 +171,11 @@ def _run_child_suite(pytest_args: list[str], *, quiet: bool) -> Outcome:
         return out
 
 
-def _absorb(out: Outcome, events: list[dict], run_dir: str, code: int) -> bool:
+def _absorb(out: Outcome, events: list[dict], run_dir: str, code: int, interrupted: bool = False) -> bool:
     """Fold the stream into ``out``; a test that started but has no final report is the one the child died
-    in.  Returns whether the child finished its session."""
+    in, unless the run was ``interrupted``: then the child may have been killed by this supervisor (it did not
+    stop within INTERRUPT_GRACE_S), which is no crash of the IUT, and the test reads ``interrupted``.
+    Returns whether the child finished its session."""
     started, done, finished = [], out["done"], False
     for ev in events:
         kind = ev.get("event")
@@ -194,8 +197,8 @@ def _absorb(out: Outcome, events: list[dict], run_dir: str, code: int) -> bool:
         elif kind == "finish":
             finished = True
             out["xfail_warnings"] = ev.get("xfail_warnings", [])
-    if finished:
-        return True
+    if finished or interrupted:
+        return finished
     for nid in dict.fromkeys(started):
         if nid in done or out["tests"].get(nid, {}).get("outcome") in ("crash", "timeout"):
             continue

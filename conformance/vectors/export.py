@@ -13,6 +13,7 @@ A port answers them with ``.npy`` files (VECTORS.md, "Answers"); ``grade.py`` gr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -24,14 +25,17 @@ from a2ats_spec import oracle as O
 
 from a2ats_conformance.harness.hypothesis_helpers import spd_matrix
 from a2ats_conformance.harness.tolerances import DTYPES, tie_margin, tolerance
+from a2ats_conformance.vectors.manifest import (  # noqa: F401  (the format, one import away)
+    _COMPARE, FORMAT, FORMAT_V1, GRADED_DTYPES, ManifestError, load_vectors)
+from a2ats_conformance.vectors.answers import _make_folder, _writing, write_answers  # noqa: F401  (write_answers: documented here)
+from a2ats_conformance.vectors.untrusted import (UntrustedFileError, check_npy_header, inside, open_new_file, read_json,
+                                                 read_npy, regular_file, safe_name)
 
-__all__ = ["FORMAT", "SIZES", "generate", "write_vectors", "load_vectors", "write_answers", "check_vectors", "main"]
+__all__ = ["FORMAT", "SIZES", "ManifestError", "generate", "write_vectors", "load_vectors", "write_answers",
+           "check_vectors", "main"]
 
-FORMAT = "a2ats-golden-vectors/2"
-FORMAT_V1 = "a2ats-golden-vectors/1"
 SIZES = ("small", "full")
 MIN_CASES = 20            # stateless cases per clause
-GRADED_DTYPES = ("float32", "float64")   # allowed sets are computed at the float32 tie margin
 
 
 def _f32(x):
@@ -557,13 +561,6 @@ def _stateless(B: _Builder, size: str) -> None:
 
 # --------------------------------------------------------------------------- manifest
 
-_COMPARE = {
-    "close": "|actual - expected| <= atol + rtol*|expected|, (rtol, atol) = tolerance[dtype]; same shape",
-    "exact": "equal: integers, or the dtype name of a dtype output",
-    "allowed": "integer codes c, shape = allowed.shape[:-1]: c is one of allowed[..., :] (padded with -1)",
-    "mask": "bool mask M, shape of must: must <= M <= may",
-}
-
 
 def generate(seed: int = 0, size: str = "small") -> tuple[dict, dict]:
     """-> (manifest, arrays). Deterministic for a given seed and size."""
@@ -583,107 +580,34 @@ def generate(seed: int = 0, size: str = "small") -> tuple[dict, dict]:
 
 
 def write_vectors(out_dir: str, seed: int = 0, size: str = "small") -> str:
+    """Write DIR/manifest.json and DIR/arrays/; UntrustedFileError (a ValueError) naming the path that cannot be
+    written (an empty --out, a read-only or full disk); the manifest is written last, so a folder whose writing
+    failed has none and is not mistaken for vectors."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed: expected an integer >= 0, got {seed!r}")
+    if not out_dir:
+        raise UntrustedFileError("--out: the path is empty; name a folder to write the vectors into")
     manifest, arrays = generate(seed, size)
-    os.makedirs(os.path.join(out_dir, "arrays"), exist_ok=True)
-    for key, a in arrays.items():
-        np.save(os.path.join(out_dir, "arrays", f"{key}.npy"), a, allow_pickle=False)
+    _make_folder(os.path.join(out_dir, "arrays"), "vectors folder")
     path = os.path.join(out_dir, "manifest.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
+    if os.path.lexists(path):
+        os.remove(path)
+    for key, a in arrays.items():
+        with _writing(os.path.join(out_dir, "arrays", f"{key}.npy")) as f:
+            np.save(f, a, allow_pickle=False)
+    part = path + ".partial"
+    try:
+        with _writing(part) as f:
+            f.write(json.dumps(manifest, indent=1).encode())
+        os.replace(part, path)   # a manifest is whole or absent
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError):
+            os.remove(part)
+        raise
     return path
 
 
-def load_vectors(vectors_dir: str):
-    """-> (manifest, decode) where decode turns a manifest entry into its value; ValueError on another format."""
-    path = os.path.join(vectors_dir, "manifest.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{vectors_dir}: no manifest.json; write vectors with "
-                         f"'a2ats-conformance vectors --out {vectors_dir}'") from None
-    fmt = manifest.get("format") if isinstance(manifest, dict) else None
-    if fmt == FORMAT_V1:
-        raise ValueError(f"{vectors_dir}: these are {FORMAT_V1} vectors (stateless calls only, no cache traces); this "
-                         f"reader reads {FORMAT}. Regenerate them with 'a2ats-conformance vectors --out DIR'")
-    if fmt != FORMAT:
-        raise ValueError(f"{vectors_dir}: not {FORMAT} vectors (format {fmt!r}); regenerate them with "
-                         f"'a2ats-conformance vectors --out DIR'")
-
-    def dec(v):
-        if isinstance(v, str):
-            return np.load(os.path.join(vectors_dir, v), allow_pickle=False)
-        if "array" in v:
-            return np.load(os.path.join(vectors_dir, v["array"]), allow_pickle=False)
-        if "dtype" in v:
-            return np.dtype(v["dtype"])
-        return v["value"]
-
-    return manifest, dec
-
-
 # --------------------------------------------------------------------------- answering with a Python adapter
-
-def _save_answer(path: str, value) -> None:
-    if isinstance(value, np.dtype) or isinstance(value, type):
-        value = np.zeros((), np.dtype(value))
-    a = np.asarray(value)
-    if a.dtype.kind == "f" and a.dtype.itemsize < 4:
-        a = a.astype(np.float32)  # .npy has no bfloat16; float16 answers are widened losslessly
-    np.save(path, a, allow_pickle=False)
-
-
-def write_answers(vectors_dir: str, adapter, answers_dir: str, dtype: str | None = None) -> str:
-    """Run ``adapter`` on every case and write its answers in the layout of VECTORS.md; -> answers_dir.
-
-    Errors a call raises are written as ``<case>.error`` (ValueError) and otherwise left out, so the grader
-    sees them as wrong answers, not as crashes of this writer.
-    """
-    from a2ats_conformance.harness.adapter import has_function
-    from a2ats_conformance.harness.pytest_helpers import to_numpy
-    from a2ats_conformance.vectors.traces import run_trace
-
-    manifest, dec = load_vectors(vectors_dir)
-    dtype = dtype or adapter.dtypes[0]
-    if dtype not in GRADED_DTYPES:
-        raise ValueError(f"dtype: golden vectors are graded in {GRADED_DTYPES}, got {dtype!r}")
-    try:
-        adapter.input_dtype = dtype
-    except AttributeError:
-        pass
-    from a2ats_conformance.harness import capabilities
-
-    os.makedirs(answers_dir, exist_ok=True)
-    caps = capabilities.read(adapter)
-    with open(os.path.join(answers_dir, "answers.json"), "w", encoding="utf-8") as f:
-        json.dump({"name": adapter.name, "version": adapter.version, "dtype": dtype, "capabilities": caps.as_dict()},
-                  f, indent=1)
-    np_dtype = np.float64 if dtype == "float64" else np.float32
-    cast = lambda x: x.astype(np_dtype) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x  # noqa: E731
-    for case in manifest["calls"]:
-        if not has_function(adapter, case["function"]) or capabilities.unmet(caps, case.get("requires", {})):
-            continue
-        fn = getattr(adapter, case["function"])
-        args = [cast(dec(a)) for a in case["args"]]
-        kwargs = {k: cast(dec(v)) for k, v in case["kwargs"].items()}
-        try:
-            got = to_numpy(fn(*args, **kwargs))
-        except ValueError as exc:
-            with open(os.path.join(answers_dir, f"{case['id']}.error"), "w", encoding="utf-8") as f:
-                f.write(f"ValueError: {exc}\n")
-            continue
-        except Exception:  # noqa: BLE001 - a crash is a missing answer; the grader says which
-            continue
-        outs = list(got) if isinstance(got, tuple) else [got]
-        for ent, o in zip(case["outputs"], outs):
-            _save_answer(os.path.join(answers_dir, f"{case['id']}.{ent['name']}.npy"), o)
-    if has_function(adapter, "make_cache"):
-        for trace in manifest["traces"]:
-            if capabilities.unmet(caps, trace["requires"]):
-                continue
-            for name, value in run_trace(trace, dec, adapter.make_cache, cast):
-                _save_answer(os.path.join(answers_dir, f"{trace['id']}.{name}.npy"), value)
-    return answers_dir
 
 
 def check_vectors(vectors_dir: str, adapter, dtype: str | None = None) -> list[tuple[str, str]]:
@@ -700,19 +624,41 @@ def check_vectors(vectors_dir: str, adapter, dtype: str | None = None) -> list[t
             for cid, r in results.items() if r["outcome"] != "passed"]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="a2ats-conformance vectors", description="write oracle golden vectors")
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--seed", type=int, default=0)
+def _seed(text: str) -> int:
+    """argparse type of --seed (argparse names the flag in its message)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v} (numpy's generator takes no negative seed)")
+    return v
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="a2ats-conformance vectors", description="write oracle golden vectors "
+                                "(VECTORS.md) for ports in any language",
+                                epilog="exit status: 0 when written (and, with --check, every case passes); 1 when a "
+                                       "--check case fails; 2 on a usage error or a folder that cannot be written")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write manifest.json and arrays/ into")
+    p.add_argument("--seed", type=_seed, default=0, help="generator seed, an integer >= 0 (default 0)")
     p.add_argument("--size", default="small", choices=SIZES,
                    help="small (default): edge cases and small random cases; full: plus realistic shapes")
     p.add_argument("--check", default=None, metavar="IUT", help="also answer with an adapter 'module:object' and grade it")
     p.add_argument("--dtype", default=None, help="dtype for --check: float32 or float64 (default: the adapter's first)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     import time
 
     t0 = time.perf_counter()
-    path = write_vectors(a.out, a.seed, a.size)
+    try:
+        path = write_vectors(a.out, a.seed, a.size)
+    except ValueError as exc:    # an empty, read-only or full --out
+        print(f"a2ats-conformance vectors: {exc}", file=sys.stderr)
+        return 2
     manifest, _ = load_vectors(a.out)
     print(f"wrote {len(manifest['calls'])} calls and {len(manifest['traces'])} traces ({a.size}) to {path} "
           f"in {time.perf_counter() - t0:.1f} s")

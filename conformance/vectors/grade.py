@@ -6,7 +6,9 @@
 A port in any language reads the vectors (vectors.py) and writes one ``.npy`` per case and output; this module
 compares them with the oracle's expected values (tolerances, allowed code sets, must/may masks) and produces
 the same per-clause verdicts, reports and exit status as a Hypothesis run (cli.py): 0 when no clause fails,
-1 when one does, 2 when the answers cannot be read (a malformed file is an error that names it, not a verdict).
+1 when one does, 2 when the vectors or answers cannot be read (a malformed file is an error that names it, not
+a verdict), 4 when no case was answered (a port that wrote nothing must not pass a CI gate). Vectors and
+answers are untrusted files (untrusted.py).
 A case with no answer file is ``not-implemented`` when the port answered no case of that function (or, for a
 cache trace, no trace of that clause); a case missing from a function the port did answer is a failure.
 """
@@ -21,7 +23,16 @@ import time
 
 import numpy as np
 
-from a2ats_conformance.vectors.export import GRADED_DTYPES, load_vectors
+from a2ats_conformance.vectors.manifest import GRADED_DTYPES, load_vectors
+from a2ats_conformance.vectors.untrusted import UntrustedFileError, read_json, read_npy, regular_file
+
+#: Exit status of a grading run in which no case was answered (every clause not-implemented or not-applicable):
+#: not 0, so that a port that wrote nothing cannot pass a CI gate.
+NOTHING_ANSWERED = 4
+#: answers.json holds a name, a version, a dtype and capabilities.
+MAX_META_BYTES = 1 << 20
+#: The part of a ``.error`` file a report quotes.
+_ERROR_QUOTE = 300
 
 __all__ = ["AnswersError", "grade_cases", "grade", "main"]
 
@@ -32,15 +43,9 @@ class AnswersError(ValueError):
 
 def _read_npy(path: str) -> np.ndarray:
     try:
-        a = np.load(path, allow_pickle=False)
-    except ValueError as exc:   # object arrays need pickle: refused
-        raise AnswersError(f"{path}: not a plain .npy array ({exc}); write numeric or bool arrays, no pickled objects") from None
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
-        raise AnswersError(f"{path}: cannot be read as a .npy file ({type(exc).__name__}: {exc}); write it with "
-                           f"numpy.save or any NPY 1.0/2.0 writer") from None
-    if not isinstance(a, np.ndarray) or a.dtype.kind not in "biuf":
-        raise AnswersError(f"{path}: expected a numeric or bool array, got dtype {getattr(a, 'dtype', type(a))}")
-    return a
+        return read_npy(path, "answer")
+    except UntrustedFileError as exc:
+        raise AnswersError(str(exc)) from None
 
 
 def read_answers_meta(answers_dir: str) -> dict:
@@ -48,23 +53,27 @@ def read_answers_meta(answers_dir: str) -> dict:
     if not os.path.isdir(answers_dir):
         raise AnswersError(f"{answers_dir}: no such directory of answers")
     path = os.path.join(answers_dir, "answers.json")
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return {}
     try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise AnswersError(f"{path}: not valid JSON ({exc})") from None
+        meta = read_json(path, "answers", max_bytes=MAX_META_BYTES)
+    except UntrustedFileError as exc:
+        raise AnswersError(str(exc)) from None
     if not isinstance(meta, dict):
         raise AnswersError(f"{path}: expected a JSON object with name, version, dtype, got {type(meta).__name__}")
     return meta
 
 
 class _Grader:
-    def __init__(self, answers_dir: str, dec, dtype: str):
+    def __init__(self, answers_dir: str, dec, dtype: str, expected: set[str]):
         self.dir, self.dec, self.dtype = answers_dir, dec, dtype
         self.files = set(os.listdir(answers_dir))
         self.used: set[str] = {"answers.json"}
+        for name in sorted(self.files & expected):   # every answer is a plain file before any is read
+            try:
+                regular_file(os.path.join(answers_dir, name), "answer")
+            except UntrustedFileError as exc:
+                raise AnswersError(str(exc)) from None
 
     def has(self, name: str) -> bool:
         return name in self.files
@@ -136,8 +145,8 @@ class _Grader:
         names = [f"{cid}.{ent['name']}.npy" for ent in case["outputs"]]
         if self.has(err):
             self.used.add(err)
-            with open(os.path.join(self.dir, err), encoding="utf-8", errors="replace") as f:
-                msg = f.read().strip()[:300]
+            with open(os.path.join(self.dir, err), "rb", opener=_no_follow) as f:
+                msg = f.read(4 * _ERROR_QUOTE).decode("utf-8", "replace").strip()[:_ERROR_QUOTE]
             return dict(rec, outcome="fail", message=f"{cid}: the port rejected a valid call: {msg}")
         if not any(self.has(n) for n in names):
             return dict(rec, outcome="missing")
@@ -175,6 +184,23 @@ class _Grader:
         return None
 
 
+def _no_follow(path, flags):
+    """open()'s opener for a file checked regular: a link or FIFO swapped in after the check is not followed,
+    and an open cannot block."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+def answer_names(manifest: dict) -> set[str]:
+    """Every file name the answers to ``manifest`` may have (VECTORS.md, "Answers")."""
+    names = {"answers.json"}
+    for c in manifest["calls"]:
+        names.add(f"{c['id']}.error")
+        names.update(f"{c['id']}.{e['name']}.npy" for e in c["outputs"])
+    for t in manifest["traces"]:
+        names.update(f"{t['id']}.{e['name']}.npy" for s in t["steps"] for e in s["expect"])
+    return names
+
+
 def answers_capabilities(meta: dict):
     """The capabilities answers.json declares (absent: full support), validated like an adapter's."""
     from types import SimpleNamespace
@@ -194,22 +220,40 @@ def _not_applicable(case: dict, caps) -> str | None:
     return f"not-applicable: needs {', '.join(reasons)}" if reasons else None
 
 
-def grade_cases(vectors_dir: str, answers_dir: str, dtype: str | None = None) -> dict:
+def _answers_dtype(dtype, meta: dict) -> str:
+    dtype = dtype or meta.get("dtype") or "float32"
+    if dtype not in GRADED_DTYPES:
+        raise AnswersError(f"dtype: the vectors are graded in {list(GRADED_DTYPES)}, got {str(dtype)[:60]!r}"
+                           f"{' (answers.json)' if meta.get('dtype') == dtype else ''}")
+    return dtype
+
+
+def _guarded(what: str, fn, *args):
+    """Grade one case; a malformed input the manifest's checks do not reach (an oracle refusing its config) is
+    an error naming the case, not a traceback."""
+    try:
+        return fn(*args)
+    except (AnswersError, UntrustedFileError):
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, ArithmeticError, MemoryError) as exc:
+        raise AnswersError(f"{what}: cannot be graded: the vectors' inputs are malformed "
+                           f"({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def grade_cases(vectors_dir: str, answers_dir: str, dtype: str | None = None, *, loaded=None) -> dict:
     """-> {case id: {"clauses", "outcome" (passed|fail|not-implemented|not-applicable), "message", ...}}."""
     from a2ats_conformance.vectors.traces import grade_trace
 
-    manifest, dec = load_vectors(vectors_dir)
+    manifest, dec = loaded or load_vectors(vectors_dir)
     meta = read_answers_meta(answers_dir)
-    dtype = dtype or meta.get("dtype") or "float32"
-    if dtype not in GRADED_DTYPES:
-        raise AnswersError(f"dtype: the vectors are graded in {list(GRADED_DTYPES)}, got {dtype!r}")
-    g = _Grader(answers_dir, dec, dtype)
+    dtype = _answers_dtype(dtype, meta)
+    g = _Grader(answers_dir, dec, dtype, answer_names(manifest))
     caps = answers_capabilities(meta)
     results = {}
     for c in manifest["calls"]:
         why = _not_applicable(c, caps)
         results[c["id"]] = (dict(clauses=[c["clause"]], examples=1, function=c["function"], outcome="not-applicable",
-                                 reason=why) if why else g.grade_call(c))
+                                 reason=why) if why else _guarded(c["id"], g.grade_call, c))
     _settle_missing(results, {cid: r["function"] for cid, r in results.items()},
                     "{id}: no answer, though the port answered other {group} cases (VECTORS.md names every file)",
                     "not-implemented: no answers for {group}")
@@ -217,7 +261,7 @@ def grade_cases(vectors_dir: str, answers_dir: str, dtype: str | None = None) ->
     for t in manifest["traces"]:
         why = _not_applicable(t, caps)
         traces[t["id"]] = (dict(clauses=[t["clause"]], examples=1, outcome="not-applicable", reason=why) if why
-                           else grade_trace(t, g))
+                           else _guarded(t["id"], grade_trace, t, g))
     _settle_missing(traces, {t["id"]: t["clause"] for t in manifest["traces"]},
                     "{id}: no answers, though the port answered other {group} traces",
                     "not-implemented: no answers to {group} traces")
@@ -242,14 +286,15 @@ def grade(vectors_dir: str, answers_dir: str, dtype: str | None = None) -> dict:
     """The report of a grading run: the same shape as a Hypothesis run's (cli.run_suite)."""
     from a2ats_spec.clauses import clause_ids
 
-    from a2ats_conformance.run.cli import STATUS_ORDER, clause_table
+    from a2ats_conformance.report.text import STATUS_ORDER, clause_table
 
     from a2ats_conformance.report.writer import metadata
 
     t0 = time.time()
+    loaded = load_vectors(vectors_dir)
     meta = read_answers_meta(answers_dir)
-    dtype = dtype or meta.get("dtype") or "float32"
-    results = grade_cases(vectors_dir, answers_dir, dtype)
+    dtype = _answers_dtype(dtype, meta)
+    results = grade_cases(vectors_dir, answers_dir, dtype, loaded=loaded)
     unused = results.pop("__unused__")
     tests = {}
     for cid, r in results.items():
@@ -259,7 +304,7 @@ def grade(vectors_dir: str, answers_dir: str, dtype: str | None = None) -> dict:
         if r.get("reason"):
             rec["reason"] = r["reason"]
         tests[cid] = rec
-    manifest, _ = load_vectors(vectors_dir)
+    manifest = loaded[0]
     clauses = clause_table(tests, clause_ids())
     summary = {s: sum(1 for c in clauses.values() if c["status"] == s) for s in STATUS_ORDER}
     failed = sorted(c for c, v in clauses.items() if v["status"] == "fail")
@@ -279,34 +324,67 @@ def grade(vectors_dir: str, answers_dir: str, dtype: str | None = None) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="a2ats-conformance grade",
+EXIT_STATUSES = ("exit status: 0 when no clause fails; 1 when a clause fails; 2 when the vectors or answers cannot "
+                 "be graded (a malformed manifest, a path outside the vectors folder, an unreadable, pickled or "
+                 "non-regular answer file, a malformed answers.json: the message names it; nothing is written); "
+                 f"{NOTHING_ANSWERED} when nothing was answered (no answer file for any case: every clause "
+                 "not-implemented or not-applicable)")
+
+
+def nothing_answered(report: dict) -> bool:
+    """No case has an answer: a port that wrote nothing (or only answers.json)."""
+    return all(t["outcome"] in ("not-implemented", "not-applicable") for t in report["tests"].values())
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="a2ats-conformance grade", epilog=EXIT_STATUSES,
                                 description="grade a port's answers to golden vectors (VECTORS.md), per clause")
-    p.add_argument("vectors_dir", metavar="VECTORS_DIR")
-    p.add_argument("answers_dir", metavar="ANSWERS_DIR")
+    p.add_argument("vectors_dir", metavar="VECTORS_DIR", help="golden vectors (a2ats-conformance vectors --out)")
+    p.add_argument("answers_dir", metavar="ANSWERS_DIR", help="the port's answer files (VECTORS.md, \"Answers\")")
     p.add_argument("--dtype", default=None, choices=GRADED_DTYPES, help="tolerances to grade with "
                    "(default: answers.json's dtype, else float32)")
-    p.add_argument("--report-json", default=None, metavar="F")
-    p.add_argument("--report-md", default=None, metavar="F")
+    p.add_argument("--report-json", default=None, metavar="F", help="the report as JSON (report.schema.json)")
+    p.add_argument("--report-md", default=None, metavar="F", help="the report as Markdown")
     p.add_argument("--junit-xml", default=None, metavar="F", help="JUnit XML, one testcase per clause")
     p.add_argument("--iut", default=None, metavar="module:object",
                    help="first write ANSWERS_DIR by running this Python adapter on the vectors, then grade")
-    a = p.parse_args(argv)
-    from a2ats_conformance.run.cli import exit_status, format_table, write_reports
+    return p
 
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    from a2ats_conformance.report.text import check_report_paths, exit_status, format_table, same_report_paths, write_reports
+
+    problem = same_report_paths(a)
+    if problem:
+        print(f"a2ats-conformance grade: {problem}", file=sys.stderr)
+        return 2
     try:
+        load_vectors(a.vectors_dir)    # every path and entry checked before anything is written
+        problem = check_report_paths(a)
+        if problem:
+            raise ValueError(problem)
         if a.iut:
             from a2ats_conformance.harness.adapter import load_adapter
-            from a2ats_conformance.vectors.export import write_answers
+            from a2ats_conformance.vectors.answers import write_answers
 
             write_answers(a.vectors_dir, load_adapter(a.iut), a.answers_dir, a.dtype)
         report = grade(a.vectors_dir, a.answers_dir, a.dtype)
-    except ValueError as exc:   # AnswersError, or vectors of another format
+    except ValueError as exc:   # AnswersError, ManifestError, vectors of another format
         print(f"a2ats-conformance grade: {exc}", file=sys.stderr)
         return 2
     print(format_table(report))
-    write_reports(report, a)
-    return exit_status(report)
+    try:
+        write_reports(report, a)
+    except OSError as exc:
+        print(f"a2ats-conformance grade: cannot write a report: {exc}", file=sys.stderr)
+        return 2
+    status = exit_status(report)
+    if status == 0 and nothing_answered(report):
+        print(f"a2ats-conformance grade: no case was answered in {a.answers_dir} (no answer file matches a case "
+              f"of the vectors; VECTORS.md, \"Answers\", names them): exit {NOTHING_ANSWERED}", file=sys.stderr)
+        return NOTHING_ANSWERED
+    return status
 
 
 if __name__ == "__main__":

@@ -86,11 +86,11 @@ def gpu_paths(monkeypatch):
     caches = [f for f in vars(fd).values() if hasattr(f, "cache_clear")]
     for f in caches:
         f.cache_clear()
-    fd._LANES.clear()
+    fd._LANES.__dict__.clear()
     yield found
     for f in caches:
         f.cache_clear()
-    fd._LANES.clear()
+    fd._LANES.__dict__.clear()
 
 
 def test_the_guard_sees_an_empty_array_enter_an_op(gpu_paths):

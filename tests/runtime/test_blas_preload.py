@@ -100,3 +100,71 @@ def test_recorded_rates_keep_three_significant_figures():
     assert gflops(3.14159e6, 1.0) == 0.00314
     assert gflops(2.5e12, 2.0) == 1250.0
     assert gflops(1.0, 0.0) is None
+
+
+# ---------------------------------------------------------------- a file-size limit (RLIMIT_FSIZE, ulimit -f)
+
+def _limited(code: str, limit: int):
+    """Run ``code`` in a fresh interpreter whose file-size limit is ``limit`` bytes (RLIMIT_FSIZE, as ulimit -f)."""
+    import resource
+
+    def lower():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    e = {k: v for k, v in os.environ.items() if k != "A2ATS_NO_FAST_BLAS"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=300,
+                          preexec_fn=lower)
+
+
+def test_import_under_a_file_size_limit_does_not_crash():
+    """ulimit -f 500: an in-memory copy of a library larger than the limit (the libgfortran shim) is cut short,
+    and mapping a truncated library kills the process with SIGBUS. The import must go on, on the reference BLAS
+    if need be, with a warning that says why."""
+    out = _limited(PROBE, 500 * 1024)
+    assert out.returncode == 0, f"exit {out.returncode} (negative: killed by signal {-out.returncode}): {out.stderr}"
+    st = json.loads(out.stdout.strip().splitlines()[-1])
+    if not st["effective"]:
+        assert st["error"] and "RLIMIT_FSIZE" in st["error"], st
+        assert "reference BLAS" in out.stderr and "RLIMIT_FSIZE" in out.stderr, out.stderr
+
+
+def test_memfd_copy_refuses_a_copy_beyond_the_file_size_limit():
+    code = (
+        "import os, a2ats_ref._blas as b\n"
+        "fd = b._memfd_copy(b'ok' * 1000, 'small')\n"
+        "assert os.pread(fd, 2000, 0) == b'ok' * 1000\n"
+        "try:\n"
+        "    b._memfd_copy(b'x' * 300_000, 'libbig.so')\n"
+        "except OSError as exc:\n"
+        "    print(exc)\n"
+        "else:\n"
+        "    raise SystemExit('no error for a copy over the limit')\n"
+    )
+    out = _limited(code, 100_000)
+    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr}"
+    assert "RLIMIT_FSIZE" in out.stdout and "libbig.so" in out.stdout, out.stdout
+
+
+def test_memfd_copy_detects_a_short_write(monkeypatch):
+    """A write that stores fewer bytes than asked (a full tmpfs, a limit set by other means) is an error, never a
+    truncated library handed to dlopen."""
+    from a2ats_ref import _blas
+
+    import errno
+
+    real, room = os.write, [4000]
+
+    def write(fd, data):   # stores up to 4000 bytes in all, then fails as a write past RLIMIT_FSIZE does
+        if not room[0]:
+            raise OSError(errno.EFBIG, "File too large")
+        n = real(fd, bytes(data[: room[0]]))
+        room[0] -= n
+        return n
+
+    monkeypatch.setattr(_blas.os, "write", write)
+    with pytest.raises(OSError, match="libshort.so"):
+        _blas._memfd_copy(b"y" * 10_000, "libshort.so")
+    room[0] = 4000
+    monkeypatch.setattr(_blas.os, "write", lambda fd, data: 0 if room[0] == 0 else write(fd, data))
+    with pytest.raises(OSError, match="short write.*libshort.so"):
+        _blas._memfd_copy(b"y" * 10_000, "libshort.so")

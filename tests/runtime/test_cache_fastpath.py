@@ -118,7 +118,8 @@ def test_decode_reads_only_the_valid_prefix_of_the_buffer(traditional, method):
 
 @pytest.mark.clause("CACHE-FAR-CODES")
 def test_codes_are_assigned_in_batches_when_tokens_leave_the_window(monkeypatch):
-    """Deferred code assignment: token-by-token generation assigns codes once per ~w tokens (one batch),
+    """Code assignment: a prefill chunk is coded as it is appended (the first decode after a long prompt must not
+    code the whole prompt); token-by-token generation assigns codes once per ~w tokens (one batch),
     every decode still scores far tokens with their true codes (the oracle's allowed sets, from codes
     computed independently with assign_z), and codes_view() gives every token's code on demand."""
     rng = np.random.default_rng(4)
@@ -130,14 +131,14 @@ def test_codes_are_assigned_in_batches_when_tokens_leave_the_window(monkeypatch)
     real = C.assign_codes
     monkeypatch.setattr(C, "assign_codes", lambda k, *a, **kw: calls.append(k.shape[2]) or real(k, *a, **kw))
     ks = rng.standard_normal((1, NKV, 60, D)).astype(np.float32)
-    cache.update_and_fetch(mx.array(ks[:, :, :20]), mx.array(ks[:, :, :20]))   # a prefill: nothing coded yet
-    assert calls == []
+    cache.update_and_fetch(mx.array(ks[:, :, :20]), mx.array(ks[:, :, :20]))   # a prefill: coded with it
+    assert calls == [20]
     for t in range(20, 60):
         cache.update_and_fetch(mx.array(ks[:, :, t : t + 1]), mx.array(ks[:, :, t : t + 1]))
         q = mx.array(rng.standard_normal((1, NQ, 1, D)).astype(np.float32))
         cache.decode(q, scale=0.3)
-    # first decode (21 cached): the prefill and the new token in one batch; then one batch per w + 1 tokens
-    assert calls == [21, 9, 9, 9, 9], f"expected batches [21, 9, 9, 9, 9], got {calls}"
+    # the prefill in one batch; then one batch per w + 1 decode tokens
+    assert calls == [20, 9, 9, 9, 9], f"expected batches [20, 9, 9, 9, 9], got {calls}"
     sel = np.array(cache.last_selection)
     want = np.array(assign_z(far_keys(mx.array(ks), mx.arange(60), inv, traditional=False), lc.Cz, lc.L))
     T = 60

@@ -122,6 +122,27 @@ def test_ctrl_c_writes_reports_and_no_unearned_pass(tmp_path, sig, sigint):
     assert "interrupted (Ctrl-C or SIGTERM)" in md.read_text()
 
 
+def test_ctrl_c_that_the_suite_ignores_is_interrupted_not_a_crash(tmp_path):
+    # The child ignores SIGINT inside the IUT's call, so the supervisor kills it after its grace period: that kill
+    # is the supervisor's, not a crash of the port. The run reads interrupted (exit 3), the clause not 'crash'.
+    marker = tmp_path / "started"
+    js = tmp_path / "r.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), A2ATS_TEST_MARKER=str(marker))
+    short_grace = ("import sys, a2ats_conformance.run.supervisor as s; s.INTERRUPT_GRACE_S = 1.0; "
+                   "from a2ats_conformance.run.cli import main; sys.exit(main(sys.argv[1:]))")
+    p = subprocess.Popen([sys.executable, "-c", short_grace, "--iut", "honesty_adapters.misbehave:Stubborn", *FAST,
+                          "--report-json", str(js)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    code = p.wait(timeout=120)
+    rep = json.loads(js.read_text())
+    assert _statuses(rep) == {"RET-TOPK": "pass", "ROPE-FREQ": "interrupted"}, rep["clauses"]
+    assert code == 3 and rep["run"]["interrupted"] and not rep["run"]["crashes"], rep["run"]
+
+
 def test_empty_iut_is_an_error(tmp_path):
     code, rep, _, err = _cli(tmp_path, "--iut", "", *FAST)
     assert code == 2 and rep is None and "--iut '' is empty" in err

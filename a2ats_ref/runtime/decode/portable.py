@@ -411,23 +411,25 @@ def _gather_blocks(S: int, BH: int, d: int, n_lanes: int = 1) -> list[tuple[int,
     return [(s, min(s + width, S)) for s in range(0, S, width)]
 
 
-_LANES: dict = {}
-_THREAD = threading.local()   # a key per thread: MLX streams belong to the thread that made them
+_LANES = threading.local()   # MLX streams belong to the thread that made them: each thread keeps its own lanes
 
 
 def _lanes() -> tuple:
-    """Streams the attention step spreads its gather blocks over: two on the CPU, the default one elsewhere.
+    """Streams the attention step spreads its gather blocks over: two on the CPU, the default one elsewhere; the
+    calling thread's own (a stream made by another thread fails in this one: 'There is no Stream(cpu, N) in
+    current thread').
 
     MLX runs each CPU op on one thread, and a float16 -> float32 cast costs about 1 ns per element there
     (software conversion): two CPU streams convert (and gather) alternate blocks on both cores. A GPU keeps
     one stream (its ops are parallel already).
     """
     dev = mx.default_device()
-    key = (str(dev), _THREAD.__dict__.setdefault("key", object()))
-    if key not in _LANES:
+    key = str(dev)
+    per_thread = _LANES.__dict__
+    if key not in per_thread:
         first = mx.default_stream(dev)
-        _LANES[key] = (first, mx.new_stream(dev)) if dev.type == mx.cpu else (first,)
-    return _LANES[key]
+        per_thread[key] = (first, mx.new_stream(dev)) if dev.type == mx.cpu else (first,)
+    return per_thread[key]
 
 
 #: 2^(127 - 15), float32's exponent bias over float16's: float16_scaled_rows gives float16 values times 1 / F16_SCALE

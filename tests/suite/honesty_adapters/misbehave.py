@@ -57,3 +57,15 @@ class Slow(_Base):
         open(os.environ["A2ATS_TEST_MARKER"], "a").close()
         time.sleep(1.0)
         return oracle.rope_inv_freqs(*a, **k)
+
+
+class Stubborn(_Base):
+    """rope_inv_freqs ignores SIGINT and never returns (a native call that does not check for signals), after
+    touching $A2ATS_TEST_MARKER: on Ctrl-C the supervisor must kill the suite's process."""
+
+    @staticmethod
+    def rope_inv_freqs(*a, **k):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        open(os.environ["A2ATS_TEST_MARKER"], "a").close()
+        while True:
+            time.sleep(3600)
