@@ -33,6 +33,9 @@ CLAUSE_FREE = {
     "suite/test_tolerance_flakes.py": "the suite's tolerance table against many seeds: a meta-test of the suite, "
                                       "whose properties carry the clauses",
     "suite/test_tripwire.py": "which runtime branches a conformance run executes: coverage of the suite, not a rule",
+    "suite/test_conformance_cli_errors.py": "the CLI's refusals of bad flags and paths: usage, not a clause",
+    "suite/test_vectors_hostile.py": "hostile vectors manifests and answers given to grade: file handling, not a clause",
+    "suite/test_without_mlx.py": "the suite, vectors and grade without MLX installed: packaging, not a clause",
     "suite/test_conformance_meta.py": "the suite's own structure: every clause has a property, every property a clause",
     "suite/test_coverage_mutants.py": "the suite against mutant ports; each case's clause is data (expected_clause)",
     "suite/test_diagnosis.py": "the diagnosis of failures: which deviation a report names",
