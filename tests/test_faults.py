@@ -205,14 +205,6 @@ def test_ridge_must_be_finite(ridge):
         query_moment(q, n_kv_heads=1, b=64, inv_freqs=inv, traditional=False, ridge=ridge)
 
 
-def test_codebook_nbytes_counts_what_it_holds():
-    cb = quiet_codebook(K=300)
-    lc = cb.layers[0]
-    held = lc.Cz.nbytes + lc.L.nbytes + lc.C.nbytes + lc.CT.nbytes + lc.z_operands.nbytes
-    assert lc.nbytes == held
-    assert cb.nbytes == sum(l.nbytes for l in cb.layers)
-
-
 # ------------------------------------------------------------------ 3. kills during saves (atomic writes)
 
 import os  # noqa: E402

@@ -167,6 +167,8 @@ def causal_attention(queries: mx.array, keys: mx.array, values: mx.array, *, sca
     n_kv, Tk, dv = keys.shape[1], keys.shape[2], values.shape[-1]
     G = n_q // n_kv
     qs = (queries * scale).reshape(B, n_kv, G * Tq, d)  # GQA: a group shares one GEMM
+    # NumPy has no bfloat16: such inputs are widened first (exactly) instead of failing the buffer conversion
+    qs, keys, values = (a.astype(mx.float32) if a.dtype == mx.bfloat16 else a for a in (qs, keys, values))
     mx.eval(qs, keys, values)
     Q, K, V = np.asarray(qs), np.asarray(keys), np.asarray(values)
     last = np.tile(np.arange(Tk - Tq, Tk), G)  # last key each row (group head g, query t) may see

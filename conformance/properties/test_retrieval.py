@@ -137,9 +137,17 @@ def _count_case(T, query_pos, w, sinks, topk, seed=11):
             "seed": seed, "scores": hh.normal(hh.rng_from(seed), (1, T))}
 
 
+def _wide_group_case(G=16, T=64, seed=5):
+    """A scores_case for @example: one GQA group of G query heads with distinct scores, so each head has its own
+    top-k and the union needs every head (groups of 9-16 heads exist; a fixed 8-lane head mask drops some)."""
+    return {"n_q": G, "n_kv": 1, "T": T, "lead": (), "query_pos": T - 1, "w": 4, "sinks": 2, "topk": 3,
+            "seed": seed, "scores": hh.normal(hh.rng_from(seed), (G, T))}
+
+
 @pytest.mark.clause("RET-SELECT")
 @given(case=hh.scores_case(leads=((), (), (2,), (3, 1))))
 @example(case=None)   # leading dims with G = 2 and distinct per-head winners, in every run
+@example(case=_wide_group_case())   # a group of 16 heads in every run
 # RET-SELECT: the count is int(topk · (i + 1)) = 10; over the T = 48 scores it is 12, over the 28 candidates
 # (neither sink nor window) 7: a port counting over the wrong length picks the wrong number of tokens
 @example(case=_count_case(T=48, query_pos=39, w=8, sinks=4, topk=0.25))
