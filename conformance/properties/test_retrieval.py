@@ -140,14 +140,14 @@ def _count_case(T, query_pos, w, sinks, topk, seed=11):
 def _wide_group_case(G=16, T=64, seed=5):
     """A scores_case for @example: one GQA group of G query heads with distinct scores, so each head has its own
     top-k and the union needs every head (groups of 9-16 heads exist; a fixed 8-lane head mask drops some)."""
-    return {"n_q": G, "n_kv": 1, "T": T, "lead": (), "query_pos": T - 1, "w": 4, "sinks": 2, "topk": 3,
-            "seed": seed, "scores": hh.normal(hh.rng_from(seed), (G, T))}
+    return {"n_q": G, "n_kv": 1, "T": T, "lead": (), "query_pos": T - 1, "w": 4, "sinks": 2,
+            "topk": hh.topk_for_count(3, T), "seed": seed, "scores": hh.normal(hh.rng_from(seed), (G, T))}
 
 
 @pytest.mark.clause("RET-SELECT")
 @given(case=hh.scores_case(leads=((), (), (2,), (3, 1))))
 @example(case=None)   # leading dims with G = 2 and distinct per-head winners, in every run
-@example(case=_wide_group_case())   # a group of 16 heads in every run
+@example(case="wide group")   # a group of 16 heads in every run (built when run: topk takes a form the port declares)
 # RET-SELECT: the count is int(topk · (i + 1)) = 10; over the T = 48 scores it is 12, over the 28 candidates
 # (neither sink nor window) 7: a port counting over the wrong length picks the wrong number of tokens
 @example(case=_count_case(T=48, query_pos=39, w=8, sinks=4, topk=0.25))
@@ -155,8 +155,9 @@ def test_select_tokens_is_an_allowed_selection(ctx, case):
     """Sinks and window always kept; per head a valid top-k of the candidates (near ties from the oracle's
     margin); union over the GQA group; nothing after the query position. Scores with leading dims (..., n_q, T)
     too (RET-SELECT's shape): every row is its own selection, heads grouped h // G as without them."""
-    case = _batched_groups_case() if case is None else case
-    assume(isinstance(case["topk"], int) or "fraction" in capabilities.current().topk)   # the example is a fraction
+    case = {None: _batched_groups_case, "wide group": _wide_group_case}[case]() if not isinstance(case, dict) else case
+    form = "count" if isinstance(case["topk"], int) else "fraction"
+    assume(form in capabilities.current().topk)   # the @example counts are fixed forms
     ctx.note(**{k: v for k, v in case.items() if k != "scores"})
     mask = _select_and_check(ctx, case, "RET-SELECT")
     G = case["n_q"] // case["n_kv"]
