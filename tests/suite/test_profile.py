@@ -108,6 +108,19 @@ def test_profile_reads_not_implemented_and_not_applicable():
     assert rows["cache-values"]["status"] == "spec"
 
 
+def test_own_randomness_port_reads_not_applicable_where_the_stream_decides():
+    """A port drawing its own random stream (randomness: own) is never handed the suite's uniforms: the probes
+    whose answer depends on the stream read not-applicable, the stream-free k-means rules are still measured,
+    and no row reads error (a probe called with the explicit-uniforms signature would raise TypeError)."""
+    import port_own_rng
+
+    rows = _rows(port_own_rng.Adapter())
+    assert not [m for m, r in rows.items() if r["status"] == "error"], {m: r["evidence"] for m, r in rows.items()}
+    inits = [m for m in rows if rows[m]["probe"] in ("kmeans-init", "kmeans")]
+    assert inits and all(rows[m]["status"] == "not-applicable" for m in inits), {m: rows[m] for m in inits}
+    assert rows["empty-cluster"]["status"] == "spec", rows["empty-cluster"]
+
+
 def test_a_port_that_raises_reads_error_and_unknown_is_not_a_variant():
     class Raises:
         name, version, dtypes = "raises", "1", ("float64",)
