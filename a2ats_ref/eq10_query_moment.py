@@ -34,8 +34,12 @@ def query_moment(queries, *, n_kv_heads: int, b: int, inv_freqs, traditional: bo
     G = n_q // n_kv
     qt = rope_apply(q, b, inv_freqs, traditional=traditional)
     qt = qt.reshape(q.shape[:-3] + (n_kv, G * N, d))
-    H = mm(mx.swapaxes(qt, -1, -2), qt) / (G * N)
-    rms = mx.sqrt(mx.mean(H * H, axis=(-2, -1), keepdims=True))
+    H = checks.check_no_overflow(mm(mx.swapaxes(qt, -1, -2), qt) / (G * N), "H (EQ-10)", "queries")
+    # The RMS is taken of H / max|H|: squaring H itself overflows float32 once its entries pass ~1e19.
+    peak = mx.max(mx.abs(H), axis=(-2, -1), keepdims=True)
+    if not mx.all(peak > 0).item():
+        raise ValueError("queries: a KV head's queries are all zero, so H cannot be RMS-normalised")
+    rms = peak * mx.sqrt(mx.mean(mx.square(H / peak), axis=(-2, -1), keepdims=True))
     if not mx.all(rms > 0).item():
         raise ValueError("queries: a KV head's queries are all zero, so H cannot be RMS-normalised")
     out = H / rms + float(ridge) * mx.eye(d, dtype=mx.float32)

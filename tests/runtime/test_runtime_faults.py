@@ -112,6 +112,10 @@ def _overflow_cases():
         "kmeans": lambda: kmeans(_big((64, 16), 1e20), 8, seed=0),
         "query_moment": lambda: query_moment(_big((4, 6, 16), 1e20), n_kv_heads=2, b=2048, inv_freqs=inv,
                                              traditional=False),
+        # q0 q1 over two tokens is 1e40 - 1e40: inf - inf in float32, NaN whatever order the sum takes
+        "query_moment_cancelling": lambda: query_moment(
+            mx.array(np.array([[[1e20, 1e20] + [0.0] * 14, [1e20, -1e20] + [0.0] * 14]] * 2, np.float32)),
+            n_kv_heads=1, b=0, inv_freqs=inv, traditional=False),
         "retrieval_attention": lambda: retrieval_attention(_big((4, 16), 1e20), _big((2, 5, 16), 1e20, 1),
                                                            _big((2, 5, 16), 1.0, 2), mx.ones((2, 5), mx.bool_)),
         "back_transform": lambda: back_transform(_big((8, 16), 1e37),
@@ -120,7 +124,8 @@ def _overflow_cases():
 
 
 @pytest.mark.clause("INPUT-ERRORS")
-@pytest.mark.parametrize("name", ["kmeans", "query_moment", "retrieval_attention", "back_transform"])
+@pytest.mark.parametrize("name", ["kmeans", "query_moment", "query_moment_cancelling", "retrieval_attention",
+                                  "back_transform"])
 def test_overflow_raises_a_clear_error(name):
     with pytest.raises(ValueError, match="overflow"):
         out = _overflow_cases()[name]()
@@ -161,3 +166,18 @@ def test_layer_codebook_nbytes_counts_the_bytes_it_holds():
     mx.clear_cache()
     held = mx.get_active_memory() - before
     assert lc.nbytes - Cz.nbytes - L.nbytes == held, (lc.nbytes - Cz.nbytes - L.nbytes, held)
+
+
+@pytest.mark.clause("EQ-10")
+@pytest.mark.parametrize("scale", [1e-3, 1e6, 1e12])
+def test_query_moment_is_scale_invariant_where_float32_holds_h(scale):
+    """H is RMS-normalised, so q and c*q give one H. At c = 1e12 the entries of H are ~1e24, finite in float32,
+    but their squares are not: an RMS taken of H*H reads inf and H / inf returned the ridge alone."""
+    from a2ats_ref.eq10_query_moment import query_moment
+
+    q = np.random.default_rng(5).standard_normal((4, 6, 16)).astype(np.float32)
+    inv = mx.array(np.geomspace(1.0, 1e-3, 8).astype(np.float32))
+    kw = dict(n_kv_heads=2, b=2048, inv_freqs=inv, traditional=False)
+    ref = np.array(query_moment(mx.array(q), **kw))
+    got = np.array(query_moment(mx.array(q * np.float32(scale)), **kw))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
