@@ -101,30 +101,39 @@ SPEED_PROFILES = {
                  upd_Ts=[1024, 4096, 16384, 65536], e2e_ctx=[8192, 16384, 32768], e2e_tokens=16, shape=None, K=4096,
                  conformance=True, e2e_real_max=8192, e2e_probe=2048,
                  lib_Ts=[16384, 65536], lib_dtypes=["float32"], lib_tokens=8, lib_rounds=3,
-                 upd_layers=8, upd_layer_Ts=[4096, 16384]),
+                 upd_layers=8, upd_layer_Ts=[4096, 16384], batches=[1, 8, 32], batch_T=65536,
+                 batch_dtype="float16"),
     "quick": dict(Ts=[4096, 16384], dtypes=["float32", "float16"], reps=3, upd_Ts=[1024, 4096, 16384],
                   e2e_ctx=[1024, 2048], e2e_tokens=4, shape=None, K=4096, conformance=False, e2e_real_max=1024, e2e_probe=256,
                   lib_Ts=[2048], lib_dtypes=["float32"], lib_tokens=2, lib_rounds=1,
-                  upd_layers=2, upd_layer_Ts=[1024]),
+                  upd_layers=2, upd_layer_Ts=[1024], batches=[1, 4], batch_T=4096, batch_dtype="float16"),
     "tiny": dict(Ts=[512, 1024], dtypes=["float32"], reps=2, upd_Ts=[256, 1024],
                  e2e_ctx=[], e2e_tokens=0, shape=dict(n_q=8, n_kv=2, d=32), K=256, conformance=False, e2e_real_max=0, e2e_probe=0,
-                 lib_Ts=[], lib_dtypes=[], lib_tokens=0, lib_rounds=0, upd_layers=0, upd_layer_Ts=[]),
+                 lib_Ts=[], lib_dtypes=[], lib_tokens=0, lib_rounds=0, upd_layers=0, upd_layer_Ts=[],
+                 batches=[1, 2], batch_T=1024, batch_dtype="float32"),
 }
 
 
-SPEED_SECTIONS = ("decode", "library", "update", "e2e", "conformance")
+SPEED_SECTIONS = ("decode", "batch", "library", "update", "e2e", "conformance")
 
 
-def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=None, only=None, res=None) -> dict:
+def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=None, only=None, res=None,
+              dtypes=None, batches=None, batch_T=None, e2e_ctx=None) -> dict:
     """The speed sections, filled into ``res`` as each row completes (so an interrupted run keeps them)."""
     from a2ats_ref.bench import speed as bs
+    from a2ats_ref.bench import torch_peer
 
     p = dict(SPEED_PROFILES[profile])
     if Ts:  # --T: these context lengths for the decode-step table and the library rows
         p["Ts"] = p["lib_Ts"] = list(Ts)
+    for key, given in (("dtypes", dtypes), ("batches", batches), ("batch_T", batch_T), ("e2e_ctx", e2e_ctx)):
+        if given:
+            p[key] = list(given) if isinstance(given, (list, tuple)) else given
+
     shape = p["shape"] or bs.LLAMA31_8B
     want = set(SPEED_SECTIONS if not only else only)
     res = {} if res is None else res
+    res["peer"] = torch_peer.describe() or {"absent": torch_peer.unavailable()}
     res["decode_step_config"] = dict(shape, K=p["K"], topk=0.03, w=64, sinks=8, b=2048, batch=1,
                                      baseline="mlx_lm.models.base.scaled_dot_product_attention over a KVCache",
                                      a2ats="a2ats_ref.runtime.decode.portable.decode_step_fast (method=auto)",
@@ -136,6 +145,10 @@ def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=No
         _log("A2ATS decode step: each dtype against float32, interleaved")
         res["dtype_ratio"] = [bs.dtype_ratio_case(T, p["dtypes"], reps=PAIRED_REPS_PER_REP * p["reps"], K=p["K"],
                                                   **shape) for T in p["Ts"]]
+    if p["batches"] and "batch" in want:
+        _log(f"batched decode: B in {p['batches']} at T = {p['batch_T']}, one shared codebook")
+        res["batched_decode"] = bs.batched_decode_table(p["batch_T"], p["batches"], dtype_name=p["batch_dtype"],
+                                                        reps=p["reps"], shape=shape, K=p["K"])
     if p["lib_Ts"] and "library" in want:
         _log("library path: public API only (make_a2ats_cache + enable_a2ats + generate_step)")
         res["library_decode"] = bs.library_default_table(p["lib_Ts"], p["lib_dtypes"], shape=shape, K=p["K"],
@@ -171,15 +184,31 @@ def speed_markdown(res: dict) -> str:
              "A2ATS ms per selection method, each with its speedup over dense (median of per-repetition ratios); "
              "auto = the method `auto` picks on this device. mlx: in-graph argpartition, host: NumPy, sortfree: "
              "threshold from per-code counts.", "",
+             peer_line(res), "",
              "| T | dtype | dense ms | auto | A2ATS ms, auto | speedup, auto | mlx | sortfree | host | "
-             "bytes read dense | bytes read A2ATS |",
-             "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             + ("PyTorch SDPA ms | A2ATS over PyTorch | " if has_peer(res.get("decode_step")) else "")
+             + "bytes read dense | bytes read A2ATS |",
+             "|---:|---|---:|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if has_peer(res.get("decode_step")) else "")
+             + "---:|---:|"]
     for r in res["decode_step"]:
         ms, sp = r.get("method_ms", {}), r.get("method_speedup", {})
-        cell = lambda m: f"{ms[m]:.2f} ({sp[m]:.2f}x)" if m in ms else "-"  # noqa: E731
-        lines.append(f"| {r['T']} | {r['dtype']} | {r['dense_ms']:.2f} | {r['select_method']} | {r['a2ats_ms']:.2f} | "
+        cell = lambda m: f"{ms[m]:.3f} ({sp[m]:.2f}x)" if m in ms else "-"  # noqa: E731
+        lines.append(f"| {r['T']} | {r['dtype']} | {r['dense_ms']:.3f} | {r['select_method']} | {r['a2ats_ms']:.3f} | "
                      f"{r['speedup']:.2f}x | {cell('mlx')} | {cell('sortfree')} | {cell('host')} | "
-                     f"{r['bytes_read']['dense']:,} | {r['bytes_read']['a2ats']:,} |")
+                     + (peer_cells(r) if has_peer(res.get("decode_step")) else "")
+                     + f"{r['bytes_read']['dense']:,} | {r['bytes_read']['a2ats']:,} |")
+    bd = res.get("batched_decode")
+    if bd:
+        peer = has_peer(bd)
+        lines += ["", f"## Batched decode: B sequences of {bd[0]['T']} tokens, one shared codebook, {bd[0]['dtype']}",
+                  "", "One `decode_step_fast` call for all B rows; tokens/s = B / step. Dense (mlx-lm) and A2ATS "
+                  "interleaved; speedup = median of per-repetition ratios.", "",
+                  "| B | dense ms | A2ATS ms | dense tok/s | A2ATS tok/s | A2ATS over dense |"
+                  + (" PyTorch SDPA ms | A2ATS over PyTorch |" if peer else ""),
+                  "|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if peer else "")]
+        for r in bd:
+            lines.append((f"| {r['B']} | {r['dense_ms']:.3f} | {r['a2ats_ms']:.3f} | {r['dense_tokens_per_s']:.0f} | "
+                         f"{r['a2ats_tokens_per_s']:.0f} | {r['speedup']:.2f}x | " + (peer_cells(r) if peer else "")).rstrip())
     if res.get("dtype_ratio"):
         dr = res["dtype_ratio"]
         lines += ["", "A2ATS decode-step time of each dtype over float32 at the same T (interleaved in one loop, "
@@ -252,13 +281,17 @@ def speed_markdown(res: dict) -> str:
         lines += ["", "Where a token's time goes (median ms per generated token): outside long-context attention (a "
                   "dense cache held at 64 tokens, stepped in the same rotation: weights, norms, MLP, LM head, Python), "
                   "then the rest of each step, i.e. the attention over the context:", "",
-                  "| context | outside attention ms | dense attention ms | A2ATS attention ms | attention ratio |",
-                  "|---:|---:|---:|---:|---:|"]
+                  "| context | outside attention ms | dense attention ms | A2ATS attention ms | attention ratio | "
+                  "A2ATS ms per layer | PyTorch SDPA ms per layer |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
         for r in e2e["rows"]:
             if "outside_attention_ms" in r:
                 da, aa = r["dense"]["attention_ms"], r["a2ats"]["attention_ms"]
+                per = r["a2ats"].get("attention_ms_per_layer")
+                tp = r.get("torch_sdpa_ms_per_layer")
                 lines.append(f"| {r['context']} | {r['outside_attention_ms']:.1f} | {da:.1f} | {aa:.1f} | "
-                             f"{da / aa if aa > 0 else float('nan'):.2f}x |")
+                             f"{da / aa if aa > 0 else float('nan'):.2f}x | "
+                             f"{'-' if per is None else f'{per:.3f}'} | {'-' if tp is None else f'{tp:.3f}'} |")
         lines += ["", "Prefill tok/s is the package's path (`A2ATSCache` through `enable_a2ats`: long causal prefills "
                   "attend with `prefill.causal_attention_host`); the dense caches get the same keys/values."]
         for r in e2e["rows"]:
@@ -270,6 +303,25 @@ def speed_markdown(res: dict) -> str:
     if "conformance_ci_wall_s" in res:
         lines += ["", f"Conformance suite (`a2ats-conformance --profile ci`) wall time: {res['conformance_ci_wall_s']}"]
     return "\n".join(lines) + "\n"
+
+
+def has_peer(rows) -> bool:
+    return bool(rows) and all("torch_sdpa_ms" in r for r in rows)
+
+
+def peer_cells(r: dict) -> str:
+    return f"{r['torch_sdpa_ms']:.3f} | {r['over_torch_sdpa']:.2f}x | "
+
+
+def peer_line(res: dict) -> str:
+    """Which peer the tables hold, or why its column is absent."""
+    p = res.get("peer") or {}
+    if p.get("absent"):
+        return f"PyTorch SDPA column: left out ({p['absent']})."
+    if not p:
+        return "PyTorch SDPA column: not measured in this run."
+    return (f"PyTorch SDPA peer: torch {p['torch']} on {p['gpu'] or p['device']}, `{p['kernel']}`, each step timed "
+            "alone between synchronisations; \"A2ATS over PyTorch\" = PyTorch ms / A2ATS ms.")
 
 
 # --------------------------------------------------------------------------- fidelity
@@ -298,7 +350,9 @@ def _parser() -> argparse.ArgumentParser:
                     "version, BLAS in use, allocator tuning); progress goes to stderr.",
         epilog="benchmarks:\n"
                "  speed     decode-step time of A2ATS against dense attention at several context lengths, the\n"
-               "            library's cache operations, and an end-to-end SmolLM2 generation (sections: --only)\n"
+               "            library's cache operations, batched decode (B sequences, one codebook), and an\n"
+               "            end-to-end SmolLM2 generation (sections: --only); PyTorch SDPA beside each GPU row\n"
+               "            where torch is importable\n"
                "  page      a results page (Markdown and plots) rendered again from its --json\n"
                "  fidelity  on SmolLM2-135M with codebooks calibrated here: score error of query-aware against\n"
                "            plain VQ codebooks, attention-mass recall of the selection, perplexity and passkey\n"
@@ -332,6 +386,13 @@ def _parser() -> argparse.ArgumentParser:
                                 "library rows (default: the profile's), e.g. --T 16384,65536")
     ap.add_argument("--only", help=f"speed: comma-separated sections to run, of {', '.join(SPEED_SECTIONS)} "
                                    "(default: all)")
+    ap.add_argument("--dtypes", help="speed: comma-separated dtypes of the decode-step table, of float32, float16, "
+                                     "bfloat16 (default: the profile's)")
+    ap.add_argument("--batch", help="speed: comma-separated batch sizes of the batched-decode table, e.g. 1,8,32")
+    ap.add_argument("--batch-T", type=int, help="speed: the context length of the batched-decode table (a positive "
+                                                "multiple of 256; default: the profile's)")
+    ap.add_argument("--e2e-ctx", help="speed: comma-separated contexts of the end-to-end SmolLM2 table, e.g. "
+                                      "8192,32768,131072 (default: the profile's)")
     return ap
 
 
@@ -369,6 +430,17 @@ def main(argv=None) -> int:
         if not Ts or any(t < 256 or t % 256 for t in Ts):
             ap.error(f"--T: every context length must be a positive multiple of 256, got {args.T!r}")
     args.Ts = Ts
+    args.dtype_list = _csv(ap, "--dtypes", args.dtypes, str)
+    if args.dtype_list and not set(args.dtype_list) <= {"float32", "float16", "bfloat16"}:
+        ap.error(f"--dtypes: choose from float32, float16, bfloat16, got {args.dtypes!r}")
+    args.batch_list = _csv(ap, "--batch", args.batch, int)
+    if args.batch_list and min(args.batch_list) < 1:
+        ap.error(f"--batch: every batch size must be at least 1, got {args.batch!r}")
+    if args.batch_T is not None and (args.batch_T < 256 or args.batch_T % 256):
+        ap.error(f"--batch-T: expected a positive multiple of 256, got {args.batch_T}")
+    args.e2e_list = _csv(ap, "--e2e-ctx", args.e2e_ctx, int)
+    if args.e2e_list and min(args.e2e_list) < 2:
+        ap.error(f"--e2e-ctx: every context must be at least 2 tokens, got {args.e2e_ctx!r}")
     profile = "tiny" if args.tiny else "quick" if args.quick else "full"
     if args.profile == "authors":
         if args.what != "fidelity":
@@ -393,6 +465,19 @@ def main(argv=None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, old_term)
+
+
+def _csv(ap, flag: str, text, kind):
+    """A comma-separated flag value as a list of ``kind`` (None when the flag is absent)."""
+    if text is None:
+        return None
+    try:
+        out = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}")
+    if not out:
+        ap.error(f"{flag}: expected at least one value, got {text!r}")
+    return out
 
 
 def _term_as_interrupt(signum, frame):
@@ -420,7 +505,8 @@ def _run(args, profile: str) -> int:
         before = set(res) | {"decode_step_config"}
         try:
             run_speed(profile, e2e=not args.no_e2e, conformance=not args.no_conformance, Ts=args.Ts,
-                      only=args.only_sections, res=res)
+                      only=args.only_sections, res=res, dtypes=args.dtype_list, batches=args.batch_list,
+                      batch_T=args.batch_T, e2e_ctx=args.e2e_list)
         except KeyboardInterrupt:
             if not any(res[k] for k in set(res) - before):   # nothing measured yet
                 raise

@@ -52,17 +52,18 @@ def _rope_inv_freqs(d: int, base: float) -> np.ndarray:
     return 1.0 / base ** (np.arange(0, d, 2, dtype=np.float64) / d)
 
 
-def decode_step_inputs(T: int, dtype, *, n_q: int, n_kv: int, d: int, K: int = 4096, seed: int = 0):
-    """Random post-RoPE q/k/v of one layer at context T, codes and a codebook; keys/values live in an mlx-lm
-    KVCache filled by one prefill of T tokens (T a multiple of 256, so the cache hands back its own buffer)."""
+def decode_step_inputs(T: int, dtype, *, n_q: int, n_kv: int, d: int, K: int = 4096, seed: int = 0, batch: int = 1):
+    """Random post-RoPE q/k/v of one layer at context T for ``batch`` sequences, codes and one shared codebook;
+    keys/values live in an mlx-lm KVCache filled by one prefill of T tokens (T a multiple of 256, so the cache
+    hands back its own buffer)."""
     from mlx_lm.models.cache import KVCache
 
     mx.random.seed(seed)
-    q = mx.random.normal((1, n_q, 1, d)).astype(dtype)
+    q = mx.random.normal((batch, n_q, 1, d)).astype(dtype)
     cache = KVCache()
-    k, v = cache.update_and_fetch(mx.random.normal((1, n_kv, T, d)).astype(dtype),
-                                  mx.random.normal((1, n_kv, T, d)).astype(dtype))
-    codes = mx.random.randint(0, K, (1, n_kv, T)).astype(mx_code_dtype(K))
+    k, v = cache.update_and_fetch(mx.random.normal((batch, n_kv, T, d)).astype(dtype),
+                                  mx.random.normal((batch, n_kv, T, d)).astype(dtype))
+    codes = mx.random.randint(0, K, (batch, n_kv, T)).astype(mx_code_dtype(K))
     C = mx.random.normal((n_kv, K, d)) * 0.3
     CT = fast_decode.prepare_codebook(C)
     mx.eval(q, k, v, codes, CT)
@@ -146,7 +147,10 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
     gathered = fast_decode.selection_size(T, n_q=n_q, n_kv=n_kv, w=w, sinks=sinks, topk=topk)
     item = mx.zeros((), dtype).itemsize
     by_method = {auto: "a2ats", **{k[6:]: k for k in res if k.startswith("a2ats_")}}
+    peer = _peer(B=1, n_q=n_q, n_kv=n_kv, T=T, d=d, dtype_name=dtype_name, reps=reps if on_cpu else GPU_REPS_PER_REP * reps)
     return {
+        **({} if peer is None else {"torch_sdpa_ms": peer["median_ms"],
+                                    "over_torch_sdpa": peer["median_ms"] / res["a2ats"]["median_ms"]}),
         "T": T, "dtype": dtype_name, "reps": reps if on_cpu else GPU_REPS_PER_REP * reps,
         "dense_ms": res["dense"]["median_ms"], "a2ats_ms": res["a2ats"]["median_ms"],
         "speedup": ratio("a2ats"), "select_method": auto,
@@ -162,6 +166,59 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
         "gathered_rows_per_kv_head": gathered,
         "shape": dict(n_q=n_q, n_kv=n_kv, d=d, K=K, topk=topk, w=w, sinks=sinks, batch=1),
     }
+
+
+def _peer(**kw) -> dict | None:
+    """PyTorch SDPA on the device MLX runs on (CUDA beside MLX CUDA, CPU beside MLX's CPU), else None."""
+    from a2ats_ref.bench import torch_peer
+
+    if torch_peer.unavailable():
+        return None
+    on_gpu = mx.default_device().type != mx.cpu
+    if (torch_peer.device() == "cuda") != on_gpu:
+        return None
+    return torch_peer.sdpa_decode_ms(**kw)
+
+
+def batched_decode_table(T: int, batches, *, dtype_name: str = "float16", reps: int = 7, shape=None,
+                         K: int = 4096, topk=0.03, w: int = 64, sinks: int = 8, b: int = 2048) -> list:
+    """B sequences of T tokens sharing one codebook, decoded in one decode_step_fast call (no loop over rows):
+    A2ATS against mlx-lm's dense attention at the same B (interleaved), and PyTorch SDPA at the same B where it
+    runs. Tokens/s = B / step time."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    shape = dict(LLAMA31_8B if shape is None else shape)
+    n_q, n_kv, d = shape["n_q"], shape["n_kv"], shape["d"]
+    dtype = DTYPES[dtype_name]
+    on_cpu = mx.default_device().type == mx.cpu
+    n_reps = reps if on_cpu else GPU_REPS_PER_REP * reps
+    rows = []
+    for B in batches:
+        _log(f"batched decode T={T} B={B} dtype={dtype_name}")
+        x = decode_step_inputs(T, dtype, n_q=n_q, n_kv=n_kv, d=d, K=K, batch=B)
+        kw = decode_step_kwargs(x, T, d=d, K=K, topk=topk, w=w, sinks=sinks, b=b)
+        auto = dispatch.auto_method(T - w - sinks, G=n_q // n_kv, d=d, dv=d, K=K, n_kv=n_kv, dtype=dtype)
+        fns = {"dense": lambda: scaled_dot_product_attention(x["q"], x["k"], x["v"], x["cache"], scale=kw["scale"],
+                                                             mask=None),
+               "a2ats": lambda: dispatch.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method=auto,
+                                                          **kw)}
+        res = interleaved(fns, reps=n_reps, warmup=2 if on_cpu else GPU_WARMUP)
+        dense_ms, a2_ms = res["dense"]["median_ms"], res["a2ats"]["median_ms"]
+        row = {"T": T, "B": B, "dtype": dtype_name, "select_method": auto, "reps": n_reps,
+               "dense_ms": dense_ms, "a2ats_ms": a2_ms,
+               "dense_tokens_per_s": B * 1e3 / dense_ms, "a2ats_tokens_per_s": B * 1e3 / a2_ms,
+               "speedup": paired_ratio(res["dense"]["times_ms"], res["a2ats"]["times_ms"])["median"],
+               "shape": dict(shape, K=K, topk=topk, w=w, sinks=sinks)}
+        x = kw = fns = None   # this B's buffers go before the next B's are made
+        mx.clear_cache()
+        peer = _peer(B=B, n_q=n_q, n_kv=n_kv, T=T, d=d, dtype_name=dtype_name, reps=n_reps)
+        if peer is not None:
+            row.update(torch_sdpa_ms=peer["median_ms"], torch_sdpa_tokens_per_s=B * 1e3 / peer["median_ms"],
+                       over_torch_sdpa=peer["median_ms"] / a2_ms)
+        _log(f"  dense {dense_ms:.3f} ms  A2ATS ({auto}) {a2_ms:.3f} ms  {row['speedup']:.2f}x"
+             + (f"  torch {row['torch_sdpa_ms']:.3f} ms  {row['over_torch_sdpa']:.2f}x" if peer else ""))
+        rows.append(row)
+    return rows
 
 
 #: on a GPU, each decode-step loop's repetitions per requested repetition, and its untimed warm-up steps
@@ -643,6 +700,12 @@ def e2e_smollm2(*, ctxs=(4096,), n_tokens: int = 32, real_prefill_max: int = 819
             row[name] = {"tokens_per_s": 1e3 / step[name], "median_step_ms": step[name],
                          "attention_ms": step[name] - step["short"]}
         row["speedup"] = row["a2ats"]["tokens_per_s"] / row["dense"]["tokens_per_s"]
+        for name in ("dense", "a2ats"):
+            row[name]["attention_ms_per_layer"] = row[name]["attention_ms"] / n_layers
+        kv_dtype = str(dense[0].keys.dtype).replace("mlx.core.", "")
+        peer = _peer(B=1, n_q=n_q, n_kv=n_kv, T=ctx, d=d, dtype_name=kv_dtype, reps=max(n_tokens, 10))
+        if peer is not None:   # one layer's attention at the model's shapes and the cache's dtype
+            row["torch_sdpa_ms_per_layer"] = peer["median_ms"]
         row["bytes_per_token"] = _bytes_per_token(model, ctx, n_layers=n_layers, n_q=n_q, n_kv=n_kv, d=d, K=cb.K,
                                                   w=cfg.w, sinks=cfg.sinks, topk=cfg.topk)
         if real:

@@ -48,6 +48,10 @@ def test_speed_quick_json_schema(tmp_path):
     for r in res["memory"]["rows"]:
         assert r["a2ats_bytes"] > r["kvcache_bytes"]
     assert "| T | dtype | dense ms |" in md.read_text()
+    bd = res["batched_decode"]   # B sequences sharing one codebook, one call per step
+    assert [(r["T"], r["B"]) for r in bd] == [(4096, 1), (4096, 4)]
+    assert all(r["a2ats_ms"] > 0 and r["dense_ms"] > 0 and r["speedup"] > 0 for r in bd)
+    assert "## Batched decode" in md.read_text()
     e2e = res["e2e_smollm2"]
     assert [(r["context"], r["prefill"] == "real") for r in e2e["rows"]] == [(1024, True), (2048, False)]
     for r in e2e["rows"]:
