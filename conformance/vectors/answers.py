@@ -13,7 +13,7 @@ import tempfile
 
 import numpy as np
 
-from a2ats_conformance.vectors.manifest import GRADED_DTYPES, load_vectors
+from a2ats_conformance.vectors.manifest import GRADED_DTYPES, answer_names, load_vectors
 from a2ats_conformance.vectors.untrusted import UntrustedFileError, inside, regular_file, safe_name
 
 
@@ -115,8 +115,6 @@ def write_answers(vectors_dir: str, adapter, answers_dir: str, dtype: str | None
     except AttributeError:
         pass
     from a2ats_conformance.harness import capabilities
-
-    from a2ats_conformance.vectors.grade import answer_names
 
     caps = capabilities.read(adapter)
     owned = answer_names(manifest)

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from a2ats_conformance.vectors.manifest import GRADED_DTYPES, load_vectors
+from a2ats_conformance.vectors.manifest import GRADED_DTYPES, answer_names, load_vectors
 from a2ats_conformance.vectors.untrusted import UntrustedFileError, read_json, read_npy, regular_file
 
 #: Exit status of a grading run in which no case was answered (every clause not-implemented or not-applicable):
@@ -188,17 +188,6 @@ def _no_follow(path, flags):
     """open()'s opener for a file checked regular: a link or FIFO swapped in after the check is not followed,
     and an open cannot block."""
     return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
-
-
-def answer_names(manifest: dict) -> set[str]:
-    """Every file name the answers to ``manifest`` may have (VECTORS.md, "Answers")."""
-    names = {"answers.json"}
-    for c in manifest["calls"]:
-        names.add(f"{c['id']}.error")
-        names.update(f"{c['id']}.{e['name']}.npy" for e in c["outputs"])
-    for t in manifest["traces"]:
-        names.update(f"{t['id']}.{e['name']}.npy" for s in t["steps"] for e in s["expect"])
-    return names
 
 
 def answers_capabilities(meta: dict):
