@@ -130,7 +130,7 @@ def load_a2ats_cache(path, codebook, *, return_metadata: bool = False):
     corrupt, or does not fit the codebook raises ValueError naming the path and the field.
     """
     path = _check_path(path)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):   # a FIFO or device exists: check_safetensors refuses it unopened
         raise ValueError(f"path: no such file {path!r}")
     codebook = A2ATSCodebook.coerce(codebook)
     check_safetensors(path, error=lambda msg: _bad(path, msg.replace(f"{path}: ", "", 1)))   # mx.load trusts it

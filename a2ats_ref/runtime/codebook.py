@@ -126,7 +126,7 @@ class Codebook:
         path = Path(path)
         if path.is_dir():
             raise CodebookError(f"{path}: is a folder; pass the codebook file (.safetensors) a2ats-calibrate wrote")
-        if not path.is_file():
+        if not path.exists():   # a FIFO or device exists: check_safetensors refuses it unopened
             raise FileNotFoundError(f"codebook file not found: {path}")
         check_safetensors(path, error=CodebookError)   # before mx.load, which trusts the header
         try:

@@ -95,6 +95,20 @@ def test_missing_file(tmp_path):
         Codebook.load(tmp_path / "nope.safetensors")
 
 
+def test_a_fifo_is_refused_unopened(tmp_path):
+    import os
+
+    from a2ats_ref.files.cache import load_a2ats_cache
+
+    p = tmp_path / "c.safetensors"
+    os.mkfifo(p)   # opening it to read would block until a writer came
+    with pytest.raises(CodebookError, match="not a regular file") as e:
+        Codebook.load(p)
+    assert str(p) in str(e.value)
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_a2ats_cache(p, make_codebook())
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [
