@@ -61,9 +61,18 @@ def _refuse_constant(name):
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _unique_keys(pairs):
+    """A JSON object whose keys are all distinct: with a repeated key, which value counts depends on the reader."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        raise ValueError(f"key {next(k for k, _ in pairs if k in seen or seen.add(k))!r} appears twice")
+    return obj
+
+
 def load_json(text, what: str, *, error=ValueError, max_depth: int = MAX_JSON_DEPTH):
     """Strict JSON for untrusted metadata: a string, nested at most ``max_depth`` deep, without NaN or Infinity
-    (which Python's parser accepts by default). Raises ``error`` naming ``what``."""
+    (which Python's parser accepts by default) or a key repeated in an object. Raises ``error`` naming ``what``."""
     if not isinstance(text, str):
         raise error(f"{what} is missing or not a string (corrupt file)")
     depth = deepest = 0
@@ -73,7 +82,7 @@ def load_json(text, what: str, *, error=ValueError, max_depth: int = MAX_JSON_DE
         if deepest > max_depth:
             raise error(f"{what} is nested deeper than {max_depth} levels (corrupt or crafted file)")
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
+        return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
     except ValueError as exc:
         raise error(f"{what} is not valid JSON ({exc}) (corrupt file)") from None
 

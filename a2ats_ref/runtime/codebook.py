@@ -29,6 +29,7 @@ import numpy as np
 from a2ats_ref.checks import check_cholesky_conditioning
 from a2ats_ref.files.atomic import (CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, load_json,
                                     verify_checksums)
+from a2ats_ref.files.untrusted import check_safetensors
 
 FORMAT_NAME = "a2ats-codebook"
 FORMAT_VERSION = "1"
@@ -125,12 +126,9 @@ class Codebook:
         path = Path(path)
         if path.is_dir():
             raise CodebookError(f"{path}: is a folder; pass the codebook file (.safetensors) a2ats-calibrate wrote")
-        if not path.is_file():
+        if not path.exists():   # a FIFO or device exists: check_safetensors refuses it unopened
             raise FileNotFoundError(f"codebook file not found: {path}")
-        with open(path, "rb") as f:
-            head = f.read(8)
-        if len(head) < 8 or int.from_bytes(head, "little") > 100_000_000:
-            raise CodebookError(f"{path}: not a safetensors file (bad header); expected an a2ats codebook")
+        check_safetensors(path, error=CodebookError)   # before mx.load, which trusts the header
         try:
             arrays, md = mx.load(str(path), format="safetensors", return_metadata=True)
         except Exception as exc:
@@ -156,6 +154,9 @@ class Codebook:
             for name in (f"layers.{l}.cz", f"layers.{l}.L"):
                 if name not in arrays:
                     raise CodebookError(f"{path}: array {name!r} is missing (metadata says {n_layers} layers)")
+                if arrays[name].dtype != mx.float32:   # a relabelled array would be cast, not refused
+                    raise CodebookError(f"{path}: array {name!r} is {arrays[name].dtype}, expected float32 (as "
+                                        "a2ats-calibrate writes it; corrupt or foreign file)")
             cz.append(arrays[f"layers.{l}.cz"])
             Ls.append(arrays[f"layers.{l}.L"])
         extra = sorted(set(arrays) - {f"layers.{l}.{s}" for l in range(n_layers) for s in ("cz", "L")})

@@ -1,17 +1,20 @@
 """Answers to golden vectors (VECTORS.md, "Answers"): ``write_answers`` runs an adapter on every case of a
-manifest and writes one ``.npy`` per output, never through a link found in the answers folder.
+manifest and writes one ``.npy`` per output into the answers folder (VECTORS.md, "Untrusted files"): every name
+is checked to stay inside the folder, and no link, folder or FIFO sits under one, before anything is written;
+answers an earlier run left under those names are removed first, so none is graded as this run's; each file
+is written whole or not at all (a temporary file in the folder, renamed over the name).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import tempfile
 
 import numpy as np
 
-from a2ats_conformance.vectors.manifest import GRADED_DTYPES, load_vectors
-from a2ats_conformance.vectors.untrusted import UntrustedFileError, open_new_file, safe_name
+from a2ats_conformance.vectors.manifest import GRADED_DTYPES, answer_names, load_vectors
+from a2ats_conformance.vectors.untrusted import UntrustedFileError, inside, regular_file, safe_name
 
 
 def _make_folder(path: str, what: str) -> None:
@@ -37,23 +40,60 @@ def _save_answer(path: str, value) -> None:
 
 
 class _writing:
-    """A file written in an output folder: never through a symlink left there; OSError names the path."""
+    """A file written whole or not at all: the bytes go to a fresh temporary file beside ``path`` (created
+    exclusively, so no link left in the folder is followed) and are renamed over ``path`` once all are written
+    (a link there is replaced, never written through); on failure the temporary file is removed and ``path`` is
+    untouched. OSError becomes UntrustedFileError naming ``path``."""
 
     def __init__(self, path: str):
         self.path = path
 
     def __enter__(self):
-        self.f = open_new_file(self.path)
+        folder, name = os.path.split(self.path)
+        try:
+            fd, self.tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=folder or ".")
+        except OSError as exc:
+            raise UntrustedFileError(f"{self.path}: cannot be written ({exc.strerror or exc})") from None
+        mask = os.umask(0)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)   # mkstemp's 0600 would hide the answers from other users
+        self.f = os.fdopen(fd, "wb")
         return self.f
 
     def __exit__(self, kind, exc, tb):
         try:
             self.f.close()
+            if exc is None:
+                os.replace(self.tmp, self.path)
         except OSError as e:
             exc = exc or e
+        if exc is not None:
+            try:
+                os.remove(self.tmp)
+            except OSError:
+                pass
         if isinstance(exc, OSError) and not isinstance(exc, UntrustedFileError):
             raise UntrustedFileError(f"{self.path}: cannot be written ({exc.strerror or exc})") from None
         return False
+
+
+def _claim_names(answers_dir: str, names: set[str]) -> None:
+    """Check that every answer name is a plain name inside ``answers_dir`` and that none is there as anything but
+    a regular file (a link could carry a later write elsewhere, a FIFO block it); then remove the regular files
+    under those names, an earlier run's answers, so that only this run's are graded. Nothing is removed unless
+    every name passes."""
+    stale = []
+    for name in sorted(names):
+        path = os.path.join(answers_dir, safe_name(name, "answer name"))
+        if os.path.lexists(path):
+            regular_file(path, "answers folder holds")
+            stale.append(path)
+        inside(answers_dir, name, "answer name")
+    for path in stale:
+        try:
+            os.remove(path)
+        except OSError as exc:
+            raise UntrustedFileError(f"{path}: an earlier answer cannot be removed ({exc.strerror or exc})") from None
 
 
 def write_answers(vectors_dir: str, adapter, answers_dir: str, dtype: str | None = None) -> str:
@@ -76,8 +116,10 @@ def write_answers(vectors_dir: str, adapter, answers_dir: str, dtype: str | None
         pass
     from a2ats_conformance.harness import capabilities
 
-    _make_folder(answers_dir, "answers folder")
     caps = capabilities.read(adapter)
+    owned = answer_names(manifest)
+    _make_folder(answers_dir, "answers folder")
+    _claim_names(answers_dir, owned)
     with _writing(os.path.join(answers_dir, "answers.json")) as f:
         f.write(json.dumps({"name": adapter.name, "version": adapter.version, "dtype": dtype,
                             "capabilities": caps.as_dict()}, indent=1).encode())
@@ -105,5 +147,6 @@ def write_answers(vectors_dir: str, adapter, answers_dir: str, dtype: str | None
             if capabilities.unmet(caps, trace["requires"]):
                 continue
             for name, value in run_trace(trace, dec, adapter.make_cache, cast):
-                _save_answer(os.path.join(answers_dir, f"{trace['id']}.{name}.npy"), value)
+                if f"{trace['id']}.{name}.npy" in owned:   # only names checked above are written
+                    _save_answer(os.path.join(answers_dir, f"{trace['id']}.{name}.npy"), value)
     return answers_dir

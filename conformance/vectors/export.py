@@ -13,7 +13,6 @@ A port answers them with ``.npy`` files (VECTORS.md, "Answers"); ``grade.py`` gr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -28,7 +27,7 @@ from a2ats_conformance.harness.tolerances import DTYPES, tie_margin, tolerance
 from a2ats_conformance.vectors.manifest import (  # noqa: F401  (the format, one import away)
     _COMPARE, FORMAT, FORMAT_V1, GRADED_DTYPES, ManifestError, load_vectors)
 from a2ats_conformance.vectors.answers import _make_folder, _writing, write_answers  # noqa: F401  (write_answers: documented here)
-from a2ats_conformance.vectors.untrusted import (UntrustedFileError, check_npy_header, inside, open_new_file, read_json,
+from a2ats_conformance.vectors.untrusted import (UntrustedFileError, check_npy_header, inside, read_json,
                                                  read_npy, regular_file, safe_name)
 
 __all__ = ["FORMAT", "SIZES", "ManifestError", "generate", "write_vectors", "load_vectors", "write_answers",
@@ -595,15 +594,8 @@ def write_vectors(out_dir: str, seed: int = 0, size: str = "small") -> str:
     for key, a in arrays.items():
         with _writing(os.path.join(out_dir, "arrays", f"{key}.npy")) as f:
             np.save(f, a, allow_pickle=False)
-    part = path + ".partial"
-    try:
-        with _writing(part) as f:
-            f.write(json.dumps(manifest, indent=1).encode())
-        os.replace(part, path)   # a manifest is whole or absent
-    except (OSError, ValueError):
-        with contextlib.suppress(OSError):
-            os.remove(part)
-        raise
+    with _writing(path) as f:   # a manifest is whole or absent
+        f.write(json.dumps(manifest, indent=1).encode())
     return path
 
 

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from a2ats_conformance.vectors.manifest import GRADED_DTYPES, load_vectors
+from a2ats_conformance.vectors.manifest import GRADED_DTYPES, answer_names, load_vectors
 from a2ats_conformance.vectors.untrusted import UntrustedFileError, read_json, read_npy, regular_file
 
 #: Exit status of a grading run in which no case was answered (every clause not-implemented or not-applicable):
@@ -43,7 +43,7 @@ class AnswersError(ValueError):
 
 def _read_npy(path: str) -> np.ndarray:
     try:
-        return read_npy(path, "answer")
+        return read_npy(path, "answer", own=True)
     except UntrustedFileError as exc:
         raise AnswersError(str(exc)) from None
 
@@ -56,7 +56,7 @@ def read_answers_meta(answers_dir: str) -> dict:
     if not os.path.lexists(path):
         return {}
     try:
-        meta = read_json(path, "answers", max_bytes=MAX_META_BYTES)
+        meta = read_json(path, "answers", own=True, max_bytes=MAX_META_BYTES)
     except UntrustedFileError as exc:
         raise AnswersError(str(exc)) from None
     if not isinstance(meta, dict):
@@ -71,7 +71,7 @@ class _Grader:
         self.used: set[str] = {"answers.json"}
         for name in sorted(self.files & expected):   # every answer is a plain file before any is read
             try:
-                regular_file(os.path.join(answers_dir, name), "answer")
+                regular_file(os.path.join(answers_dir, name), "answer", own=True)
             except UntrustedFileError as exc:
                 raise AnswersError(str(exc)) from None
 
@@ -188,17 +188,6 @@ def _no_follow(path, flags):
     """open()'s opener for a file checked regular: a link or FIFO swapped in after the check is not followed,
     and an open cannot block."""
     return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
-
-
-def answer_names(manifest: dict) -> set[str]:
-    """Every file name the answers to ``manifest`` may have (VECTORS.md, "Answers")."""
-    names = {"answers.json"}
-    for c in manifest["calls"]:
-        names.add(f"{c['id']}.error")
-        names.update(f"{c['id']}.{e['name']}.npy" for e in c["outputs"])
-    for t in manifest["traces"]:
-        names.update(f"{t['id']}.{e['name']}.npy" for s in t["steps"] for e in s["expect"])
-    return names
 
 
 def answers_capabilities(meta: dict):
@@ -347,7 +336,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--report-md", default=None, metavar="F", help="the report as Markdown")
     p.add_argument("--junit-xml", default=None, metavar="F", help="JUnit XML, one testcase per clause")
     p.add_argument("--iut", default=None, metavar="module:object",
-                   help="first write ANSWERS_DIR by running this Python adapter on the vectors, then grade")
+                   help="first write ANSWERS_DIR by running this Python adapter on the vectors, then grade. "
+                   "ANSWERS_DIR is created if missing; answer files an earlier run left there under the vectors' "
+                   "answer names are deleted first, so only this run's answers are graded (other files are kept "
+                   "and listed as unused); a link, folder or FIFO under one of those names stops the run before "
+                   "anything is written")
     return p
 
 

@@ -251,3 +251,14 @@ def load_vectors(vectors_dir: str, *, check_arrays: bool = True):
         return v["value"]
 
     return manifest, dec
+
+
+def answer_names(manifest: dict) -> set[str]:
+    """Every file name the answers to ``manifest`` may have (VECTORS.md, "Answers")."""
+    names = {"answers.json"}
+    for c in manifest["calls"]:
+        names.add(f"{c['id']}.error")
+        names.update(f"{c['id']}.{e['name']}.npy" for e in c["outputs"])
+    for t in manifest["traces"]:
+        names.update(f"{t['id']}.{e['name']}.npy" for s in t["steps"] for e in s["expect"])
+    return names

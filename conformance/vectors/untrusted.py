@@ -1,7 +1,9 @@
 """Untrusted files (VECTORS.md, "Untrusted files"): vectors and answers are read as files from strangers.
 
 A path names a regular file inside its folder (after symlinks are resolved), or it is refused before
-anything is read or written; a non-regular file (a FIFO, a device) is never opened, so a read cannot block;
+anything is read or written; a non-regular file (a FIFO, a device) is never opened, so a read cannot block; a
+file that must be the folder's own (an answer) is refused if it has more than one hard link, since a link made
+in the folder can alias any file its maker could name, outside the folder too;
 a JSON file is bounded in size before it is parsed and in nesting while it is; a ``.npy`` header is checked
 against its file's length before an array is allocated, and never unpickled.
 """
@@ -16,7 +18,7 @@ import stat
 import numpy as np
 
 __all__ = ["UntrustedFileError", "inside", "regular_file", "read_json", "read_npy", "MAX_JSON_BYTES",
-           "safe_name", "open_new_file", "check_npy_header"]
+           "safe_name", "check_npy_header"]
 
 #: A manifest of ``--size full`` vectors is a few MB; anything past this is not vectors.
 MAX_JSON_BYTES = 256 << 20
@@ -57,9 +59,10 @@ def inside(folder: str, rel, what: str) -> str:
     return real
 
 
-def regular_file(path: str, what: str = "", *, follow: bool = False) -> os.stat_result:
+def regular_file(path: str, what: str = "", *, follow: bool = False, own: bool = False) -> os.stat_result:
     """lstat (stat if ``follow``) of ``path`` if it is a regular file; else UntrustedFileError saying what it is.
-    A FIFO or a device would block or never end a read; a symlink (``follow=False``) could point anywhere."""
+    A FIFO or a device would block or never end a read; a symlink (``follow=False``) could point anywhere; with
+    ``own``, a file of several hard links is refused too (one of them may be outside the folder)."""
     label = f"{what} {path}" if what else path
     try:
         s = os.stat(path) if follow else os.lstat(path)
@@ -74,29 +77,41 @@ def regular_file(path: str, what: str = "", *, follow: bool = False) -> os.stat_
         kind = ("a directory" if stat.S_ISDIR(s.st_mode) else "a FIFO" if stat.S_ISFIFO(s.st_mode) else
                 "a socket" if stat.S_ISSOCK(s.st_mode) else "a device")
         raise UntrustedFileError(f"{label}: not a regular file ({kind}); it is not opened")
+    _one_link(s, label, own)
     return s
 
 
-def _open_regular(path: str, what: str, follow: bool):
+def _one_link(s: os.stat_result, label: str, own: bool) -> None:
+    if own and s.st_nlink > 1:
+        raise UntrustedFileError(f"{label}: has {s.st_nlink} hard links, so it may be a file from outside the folder; "
+                                 f"write it as a file of its own (copy it, do not link it)")
+
+
+def _open_regular(path: str, what: str, follow: bool, own: bool = False):
     """A file object on ``path``, checked regular before and after opening (no FIFO open blocks: O_NONBLOCK)."""
-    regular_file(path, what, follow=follow)
+    regular_file(path, what, follow=follow, own=own)
     flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
     try:
         fd = os.open(path, flags)
     except OSError as exc:
         raise UntrustedFileError(f"{what} {path}: cannot be opened ({exc.strerror or exc})") from None
     f = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):   # replaced between the check and the open
+    s = os.fstat(fd)
+    try:
+        if not stat.S_ISREG(s.st_mode):   # replaced between the check and the open
+            raise UntrustedFileError(f"{what} {path}: not a regular file; it is not read")
+        _one_link(s, f"{what} {path}", own)
+    except UntrustedFileError:
         f.close()
-        raise UntrustedFileError(f"{what} {path}: not a regular file; it is not read")
+        raise
     return f
 
 
-def read_json(path: str, what: str, *, follow: bool = False, max_bytes: int | None = None):
+def read_json(path: str, what: str, *, follow: bool = False, own: bool = False, max_bytes: int | None = None):
     """Parse a JSON file of at most ``max_bytes`` (default MAX_JSON_BYTES), whose nesting Python's parser can
     hold; UntrustedFileError naming ``path`` otherwise."""
     limit = MAX_JSON_BYTES if max_bytes is None else max_bytes
-    with _open_regular(path, what, follow) as f:
+    with _open_regular(path, what, follow, own) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
             raise UntrustedFileError(f"{what} {path}: {size} bytes, more than the {limit} a JSON file here may have")
@@ -148,10 +163,10 @@ def check_npy_header(path: str, what: str, *, follow: bool = False) -> None:
         _npy_header(f, path, what)
 
 
-def read_npy(path: str, what: str, *, follow: bool = False) -> np.ndarray:
+def read_npy(path: str, what: str, *, follow: bool = False, own: bool = False) -> np.ndarray:
     """A plain numeric or bool array from a .npy file; the header's shape and dtype must account for exactly the
     bytes that follow it, so no header sizes an allocation the file does not hold. Never unpickles."""
-    with _open_regular(path, what, follow) as f:
+    with _open_regular(path, what, follow, own) as f:
         shape, fortran, dtype = _npy_header(f, path, what)
         n = math.prod(shape)
         data = f.read(n * dtype.itemsize)
@@ -160,18 +175,3 @@ def read_npy(path: str, what: str, *, follow: bool = False) -> np.ndarray:
     a = np.frombuffer(data, dtype=dtype, count=n)
     a = a.reshape(shape[::-1]).transpose() if fortran else a.reshape(shape)
     return a.copy()
-
-
-def open_new_file(path: str):
-    """A binary file object writing ``path``, refused if ``path`` is a symlink (a link left in an output folder
-    would carry the write outside it) or not a regular file."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    except OSError as exc:
-        if os.path.islink(path):
-            raise UntrustedFileError(f"{path}: is a symbolic link; it is not written through (remove it)") from None
-        raise UntrustedFileError(f"{path}: cannot be written ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UntrustedFileError(f"{path}: not a regular file; it is not written")
-    return os.fdopen(fd, "wb")

@@ -86,21 +86,62 @@ def gguf_property(n: int, folder: Path):
     prop()
 
 
-def _safetensors_property(n, folder, raw: bytes, load, errors, name, edit_meta):
-    from hypothesis import given
+def _header_edit(raw: bytes, name: str, how: str, v, keep_sums: bool) -> bytes:
+    """``raw`` with the safetensors header entry ``name`` changed as ``how`` says and the length prefix rewritten to
+    fit; without ``keep_sums`` the array checksums are dropped too (a file from before them), so that only the
+    header and content checks stand between a crafted entry and arrays other than those written."""
+    n = int.from_bytes(raw[:8], "little")
+    h = json.loads(raw[8:8 + n])
+    ent = h[name]
+    if how == "dtype":
+        ent["dtype"] = v
+    elif how == "shape":   # a first size moved by v (past 32 bits, negative) or made a float
+        ent["shape"][0] = v if isinstance(v, float) else ent["shape"][0] + v
+    elif how == "offsets":
+        ent["data_offsets"] = [x + v for x in ent["data_offsets"]] if isinstance(v, int) else [0, v]
+    elif how == "alias":   # the bytes of the next tensor of the same size and dtype
+        names = sorted(k for k in h if k != "__metadata__")
+        same = [k for k in names if k != name and (h[k]["shape"], h[k]["dtype"]) == (ent["shape"], ent["dtype"])]
+        if same:
+            ent["data_offsets"] = h[same[0]]["data_offsets"]
+    elif how == "drop":
+        del ent["shape"]
+    else:
+        ent["extra"] = v
+    if not keep_sums:
+        h["__metadata__"].pop("checksums", None)
+    text = json.dumps(h).encode()
+    return len(text).to_bytes(8, "little") + text + raw[8 + n:]
+
+
+def _header_edits(st, raw: bytes):
+    """A strategy of files with one safetensors header entry changed (_header_edit)."""
+    n = int.from_bytes(raw[:8], "little")
+    names = sorted(k for k in json.loads(raw[8:8 + n]) if k != "__metadata__")
+    dtype = st.tuples(st.just("dtype"), st.sampled_from(["I32", "U32", "F16", "BF16", "U8", "F8_E4M3", "x", 4, None]))
+    other = st.tuples(st.sampled_from(["alias", "shape", "offsets", "drop", "extra"]),
+                      st.sampled_from([2**32, -1, 1, 2**31, 2**63, 1.0, 10**6]))
+    return st.tuples(st.sampled_from(names), st.one_of(dtype, other), st.booleans()).map(
+        lambda a: _header_edit(raw, a[0], a[1][0], a[1][1], a[2]))
+
+
+def _safetensors_property(n, folder, raw: bytes, load, errors, name, edit_meta, examples=()):
+    """``examples``: files every run tries first, before the ``n`` drawn."""
+    from hypothesis import example, given
     from hypothesis import strategies as st
 
     header_end = 8 + int.from_bytes(raw[:8], "little")
     path = folder / name
     wrong = st.sampled_from([None, "x", -1, 1.5, 2**70, True, [], {}, [[[[[[]]]]]]])
 
-    @_settings(n)
-    @given(data=st.one_of(_mutations(st, raw, header_end), st.tuples(st.integers(0, 50), wrong).map(edit_meta)))
     def prop(data):
         path.write_bytes(data)
         _check(load, path, folder, errors)
 
-    prop()
+    for e in examples:
+        prop = example(data=e)(prop)
+    _settings(n)(given(data=st.one_of(_mutations(st, raw, header_end), st.tuples(st.integers(0, 50), wrong).map(
+        edit_meta), _header_edits(st, raw)))(prop))()
 
 
 def _resaved(arrays, md, path_hint: Path) -> bytes:
@@ -149,7 +190,7 @@ def codebook_property(n: int, folder: Path):
     from test_codebook_file import identity
 
     rng = np.random.default_rng(0)
-    Ls = [np.stack([np.linalg.cholesky(np.eye(8) * 2 + 0.1).astype(np.float32)] * 2) for _ in range(2)]
+    Ls = [np.stack([np.linalg.cholesky(np.eye(8) * 2 + 0.1 * (l + 1)).astype(np.float32)] * 2) for l in range(2)]
     cb = Codebook([rng.normal(size=(2, 16, 8)).astype(np.float32) for _ in range(2)], Ls,
                   {"b": 64, "model": identity(2, 2, 8)})
     good = cb.save(folder / "good.safetensors")
@@ -166,8 +207,16 @@ def codebook_property(n: int, folder: Path):
         # a file that loads can be checked against a model: no identity field is missing
         missing = [k for k in (*IDENTITY_KEYS, "weights_fingerprint") if k not in got.meta.get("model", {})]
         assert "b" in got.meta and not missing, f"a codebook lacking {missing or ['b']} loaded"
+        for l in range(2):   # and it holds the arrays written, not others its header pointed at
+            for mine, name in ((got.cz[l], f"layers.{l}.cz"), (got.Ls[l], f"layers.{l}.L")):
+                want = arrays[name]
+                assert mine.dtype == want.dtype and np.array_equal(np.array(mine), np.array(want)), \
+                    f"{name} loaded as {mine.dtype} {tuple(mine.shape)}, other than the array written"
 
-    _safetensors_property(n, folder, raw, load, (CodebookError, ValueError), "cb.safetensors", edit_meta)
+    # a file without checksums whose header points one array at another's bytes, or relabels float32 as int32
+    crafted = [_header_edit(raw, "layers.0.cz", "alias", None, False), _header_edit(raw, "layers.1.L", "dtype", "I32", False),
+               _header_edit(raw, "layers.0.cz", "shape", 2**32, True)]
+    _safetensors_property(n, folder, raw, load, (CodebookError, ValueError), "cb.safetensors", edit_meta, crafted)
 
 
 def cache_property(n: int, folder: Path):

@@ -125,3 +125,22 @@ def test_mlx_lm_save_prompt_cache_refuses_and_names_save_a2ats_cache(tmp_path, s
     model(tokens(4), cache=kv)
     save_prompt_cache(str(tmp_path / "kv.safetensors"), kv)
     assert load_prompt_cache(str(tmp_path / "kv.safetensors"))[0].offset == 4
+
+
+def test_a_header_pointing_two_arrays_at_the_same_bytes_is_refused(tmp_path, setup):
+    # without checksums (a file from before them) nothing but the header check sees keys read as values
+    model, cb = setup
+    cache = a2ats_caches(model, codebook=cb)
+    model(tokens(6), cache=cache)
+    path = tmp_path / "c.safetensors"
+    save_a2ats_cache(path, cache)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    h = json.loads(raw[8:8 + n])
+    h["__metadata__"].pop("checksums")
+    h["0.values"]["data_offsets"] = h["0.keys"]["data_offsets"]
+    text = json.dumps(h).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    with pytest.raises(ValueError, match="share bytes") as e:
+        load_a2ats_cache(path, cb)
+    assert str(path) in str(e.value)

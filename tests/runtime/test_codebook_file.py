@@ -95,6 +95,20 @@ def test_missing_file(tmp_path):
         Codebook.load(tmp_path / "nope.safetensors")
 
 
+def test_a_fifo_is_refused_unopened(tmp_path):
+    import os
+
+    from a2ats_ref.files.cache import load_a2ats_cache
+
+    p = tmp_path / "c.safetensors"
+    os.mkfifo(p)   # opening it to read would block until a writer came
+    with pytest.raises(CodebookError, match="not a regular file") as e:
+        Codebook.load(p)
+    assert str(p) in str(e.value)
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_a2ats_cache(p, make_codebook())
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [
@@ -127,3 +141,53 @@ def test_truncated_file(tmp_path):
     p.write_bytes(data[: len(data) // 2])
     with pytest.raises(CodebookError):
         Codebook.load(p)
+
+
+def _with_header(path, edit, keep_checksums=False):
+    """``path`` rewritten with its safetensors header text passed through ``edit`` (the JSON dict in, the text
+    out), the length prefix fitted; without ``keep_checksums`` the array checksums go too (a file from before
+    them), so only the header check stands between the crafted entry and arrays other than those written."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    h = json.loads(raw[8:8 + n])
+    if not keep_checksums:
+        h["__metadata__"].pop("checksums")
+    text = edit(h).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    return path
+
+
+def _set(name, **fields):
+    def edit(h):
+        h[name].update(fields)
+        return json.dumps(h)
+    return edit
+
+
+def _alias(h):   # layers.0.cz pointed at layers.1.cz's bytes
+    h["layers.0.cz"]["data_offsets"] = h["layers.1.cz"]["data_offsets"]
+    return json.dumps(h)
+
+
+def _wrapped_shape(h):   # a size past 32 bits: MLX narrows it to the written 2
+    h["layers.0.cz"]["shape"][0] += 2**32
+    return json.dumps(h)
+
+
+def _repeated_key(h):   # a second layers.0.cz entry, on layers.1.cz's bytes: which one counts depends on the reader
+    dup = json.dumps({"layers.0.cz": dict(h["layers.0.cz"], data_offsets=h["layers.1.cz"]["data_offsets"])})
+    return json.dumps(h)[:-1] + ", " + dup[1:]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_alias, "share bytes"),
+    (_wrapped_shape, "not a list of sizes"),
+    (_repeated_key, "appears twice"),
+    (_set("layers.1.L", dtype="I32"), "'layers.1.L' is mlx.core.int32, expected float32"),
+    (_set("layers.0.L", dtype="F8_E4M3"), "dtype 'F8_E4M3' is not one of"),
+])
+def test_a_crafted_header_is_refused_before_its_arrays_are_used(tmp_path, edit, message):
+    p = _with_header(make_codebook().save(tmp_path / "c.safetensors"), edit)
+    with pytest.raises(CodebookError, match=message) as e:
+        Codebook.load(p)
+    assert str(p) in str(e.value)

@@ -13,7 +13,7 @@ import pytest
 TESTS = Path(__file__).parent
 
 # Examples per format: enough to reach every kind of mutation, few enough for a few seconds each.
-EXAMPLES = {"gguf": 30, "codebook": 40, "cache": 25}
+EXAMPLES = {"gguf": 30, "codebook": 60, "cache": 40}
 
 
 @pytest.mark.parametrize("fmt", sorted(EXAMPLES))

@@ -230,6 +230,78 @@ def test_write_answers_does_not_write_through_a_symlink(base, tmp_path):
     assert elsewhere.read_bytes() == b"keep"
 
 
+@pytest.mark.parametrize("victim", ["EQ-14.assign.000.out0.npy", "INPUT-ERRORS.rope_apply.000.error", "answers.json"])
+def test_a_hard_linked_answer_is_refused(base, tmp_path, victim):
+    v, a = _copy(base, tmp_path)
+    os.link(a / victim, tmp_path / "outside")   # the same file under a name outside the answers folder
+    code, err = _grade(v, a)
+    assert code == 2 and victim in err and "hard links" in err, err
+
+
+def _listing(folder):
+    return sorted(os.listdir(folder))
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_write_answers_checks_every_name_before_writing(base, tmp_path, kind):
+    out = tmp_path / "answers"
+    out.mkdir()
+    blocker = out / "RET-DECODE.decode_step.000.out1.npy"
+    blocker.mkdir() if kind == "folder" else os.mkfifo(blocker)
+    code, err = _run_guarded([base[1], out, "--iut", ORACLE_IUT])
+    assert code == 2 and blocker.name in err and "not a regular file" in err, err
+    assert _listing(out) == [blocker.name], "answers were written before every name was checked"
+
+
+def _crashing_on(function, monkeypatch):
+    """The oracle adapter, with ``function`` crashing (a port that answers no case of it this time)."""
+    ad = load_adapter(ORACLE_IUT)
+
+    def crash(*a, **k):
+        raise RuntimeError("port crashed")
+
+    monkeypatch.setattr(ad, function, crash, raising=False)
+    return ad
+
+
+def test_answers_an_earlier_run_left_are_not_graded_as_this_runs(base, tmp_path, monkeypatch):
+    from a2ats_conformance.vectors.grade import grade_cases
+
+    _, vec, ans = base
+    out = tmp_path / "answers"
+    shutil.copytree(ans, out)   # an earlier, complete run
+    (out / "notes.txt").write_text("mine")
+    write_answers(vec, _crashing_on("rope_inv_freqs", monkeypatch), str(out), "float64")
+    results = grade_cases(vec, str(out), "float64")
+    assert results["ROPE-FREQ.rope_inv_freqs.000"]["outcome"] == "not-implemented", results["ROPE-FREQ.rope_inv_freqs.000"]
+    assert results["EQ-14.assign.000"]["outcome"] == "passed"
+    assert (out / "notes.txt").read_text() == "mine" and results["__unused__"] == ["notes.txt"]
+
+
+def test_an_answer_is_written_whole_or_not_at_all(base, tmp_path, monkeypatch):
+    from a2ats_conformance.vectors import answers
+
+    out, saving, real_save, real_save_answer = tmp_path / "answers", [], np.save, answers._save_answer
+
+    def save_answer(path, value):
+        saving.append(os.path.basename(path))
+        real_save_answer(path, value)
+
+    def torn_save(f, a, **kw):   # a full disk halfway through the third answer
+        if len(saving) == 3:
+            f.write(b"\x93NUMPY")
+            raise OSError(28, "No space left on device")
+        real_save(f, a, **kw)
+
+    monkeypatch.setattr(answers, "_save_answer", save_answer)
+    monkeypatch.setattr(answers.np, "save", torn_save)
+    with pytest.raises(ValueError, match="No space left"):
+        write_answers(base[1], load_adapter(ORACLE_IUT), str(out), "float64")
+    assert saving[-1] not in _listing(out), f"a torn answer was left under its name: {saving[-1]}"
+    assert set(saving[:2]) <= set(_listing(out)) and not [n for n in _listing(out) if n.endswith(".part")], \
+        _listing(out)
+
+
 # --------------------------------------------------------------------------- nothing answered
 
 def test_an_empty_answers_folder_does_not_exit_0(base, tmp_path):
