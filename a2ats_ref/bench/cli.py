@@ -180,23 +180,34 @@ def speed_markdown(res: dict) -> str:
              f"allocator tuned: {m['allocator_tuned']}, load average at start {m['loadavg_at_start']}"
              + (f"; GPU: {m['gpu']['name']}, {m['gpu']['memory_bytes']} bytes, MLX {m['gpu']['mlx_backend']}, "
                 f"float32 matmuls TF32: {m['gpu']['float32_matmul_tf32']}" if m.get("gpu") else ""), "",
-             "## One decode attention step (one layer, batch 1)", "",
-             "A2ATS ms per selection method, each with its speedup over dense (median of per-repetition ratios); "
-             "auto = the method `auto` picks on this device. mlx: in-graph argpartition, host: NumPy, sortfree: "
-             "threshold from per-code counts.", "",
-             peer_line(res), "",
-             "| T | dtype | dense ms | auto | A2ATS ms, auto | speedup, auto | mlx | sortfree | host | "
-             + ("PyTorch SDPA ms | A2ATS over PyTorch | " if has_peer(res.get("decode_step")) else "")
-             + "bytes read dense | bytes read A2ATS |",
-             "|---:|---|---:|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if has_peer(res.get("decode_step")) else "")
-             + "---:|---:|"]
-    for r in res["decode_step"]:
+             peer_line(res)]
+    if res.get("decode_step"):
+        lines += ["", "## One decode attention step (one layer, batch 1)", "",
+                 "A2ATS ms per selection method, each with its speedup over dense (median of per-repetition ratios); "
+                 "auto = the method `auto` picks on this device. mlx: in-graph argpartition, host: NumPy, sortfree: "
+                 "threshold from per-code counts.", "",
+                 "| T | dtype | dense ms | auto | A2ATS ms, auto | speedup, auto | mlx | sortfree | host | "
+                 + ("PyTorch SDPA ms | A2ATS over PyTorch | " if has_peer(res.get("decode_step")) else "")
+                 + "bytes read dense | bytes read A2ATS |",
+                 "|---:|---|---:|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if has_peer(res.get("decode_step")) else "")
+                 + "---:|---:|"]
+    for r in res.get("decode_step", []):
         ms, sp = r.get("method_ms", {}), r.get("method_speedup", {})
         cell = lambda m: f"{ms[m]:.3f} ({sp[m]:.2f}x)" if m in ms else "-"  # noqa: E731
         lines.append(f"| {r['T']} | {r['dtype']} | {r['dense_ms']:.3f} | {r['select_method']} | {r['a2ats_ms']:.3f} | "
                      f"{r['speedup']:.2f}x | {cell('mlx')} | {cell('sortfree')} | {cell('host')} | "
                      + (peer_cells(r) if has_peer(res.get("decode_step")) else "")
                      + f"{r['bytes_read']['dense']:,} | {r['bytes_read']['a2ats']:,} |")
+    if res.get("dtype_ratio"):
+        dr = res["dtype_ratio"]
+        lines += ["", "A2ATS decode-step time of each dtype over float32 at the same T (interleaved in one loop, "
+                  f"{dr[0]['reps']} repetitions; median of the per-repetition ratios, their quartiles in brackets; "
+                  "≤ 1.1 is the target):", "", "| T | " + " | ".join(dr[0]["time_over_float32"]) + " |",
+                  "|---:|" + "---:|" * len(dr[0]["time_over_float32"])]
+        for r in dr:
+            q = r["time_over_float32_quartiles"]
+            lines.append(f"| {r['T']} | " + " | ".join(f"{v:.2f} ({q[n][0]:.2f}–{q[n][1]:.2f})"
+                                                      for n, v in r["time_over_float32"].items()) + " |")
     bd = res.get("batched_decode")
     if bd:
         peer = has_peer(bd)
@@ -209,16 +220,6 @@ def speed_markdown(res: dict) -> str:
         for r in bd:
             lines.append((f"| {r['B']} | {r['dense_ms']:.3f} | {r['a2ats_ms']:.3f} | {r['dense_tokens_per_s']:.0f} | "
                          f"{r['a2ats_tokens_per_s']:.0f} | {r['speedup']:.2f}x | " + (peer_cells(r) if peer else "")).rstrip())
-    if res.get("dtype_ratio"):
-        dr = res["dtype_ratio"]
-        lines += ["", "A2ATS decode-step time of each dtype over float32 at the same T (interleaved in one loop, "
-                  f"{dr[0]['reps']} repetitions; median of the per-repetition ratios, their quartiles in brackets; "
-                  "≤ 1.1 is the target):", "", "| T | " + " | ".join(dr[0]["time_over_float32"]) + " |",
-                  "|---:|" + "---:|" * len(dr[0]["time_over_float32"])]
-        for r in dr:
-            q = r["time_over_float32_quartiles"]
-            lines.append(f"| {r['T']} | " + " | ".join(f"{v:.2f} ({q[n][0]:.2f}–{q[n][1]:.2f})"
-                                                      for n, v in r["time_over_float32"].items()) + " |")
     lib = res.get("library_decode")
     if lib:
         lines += ["", "## Generated tokens through the public API (one attention layer at the shape above)", "",

@@ -59,7 +59,7 @@ def test_a_page_names_its_command_date_commit_and_machine(tmp_path, monkeypatch)
     assert "```bash\na2ats-bench speed --tiny --results-dir R\n```" in page
     assert "Date: D. Commit: " in page, page[:600]
     assert prov["commit"] in page and "| CPU | Test CPU, 2 cores |" in page and "OpenBLAS test" in page
-    assert "| 16384 | float32 | 40.96 |" in page   # the body's table, beside them
+    assert "| 16384 | float32 | 40.960 |" in page   # the body's table, beside them
     assert json.loads(out["json"].read_text())["provenance"]["command"] == prov["command"]
     assert not list(tmp_path.glob("*.png"))
 
