@@ -6,7 +6,10 @@
 - every number in a Results table is on a results page (spec/results/*.md), which names the command that made it;
 - the real-model path runs as written: the calibration command and the passkey block, at smaller sizes (the only
   edits are the size arguments below, each checked to occur exactly once), and the block loads the file the
-  command writes.
+  command writes;
+- the generate/serve block runs as written on a tiny model and the codebook made for it (the only edits: the
+  model, the codebook file and the sizes, each checked to occur exactly once): a2ats-generate prints mlx-lm's
+  timings, and a2ats-server accepts every flag the block gives it and loads the model.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ MAX_BYTES = 20_000
 
 #: the real-model path at test size: README text -> what the test runs instead (sizes only)
 CALIBRATE_SMALLER = {"--tokens 4096 --codebook-size 512 --max-iter 5": "--tokens 256 --codebook-size 16 --max-iter 1"}
+#: the generate/serve block on the tiny model: README text -> what the test runs instead ({model}, {codebook}: its files)
+GENERATE_SMALLER = {"--model smollm2": "--model {model}", "--codebook model-k4096.safetensors": "--codebook {codebook}",
+                    "--max-tokens 64": "--max-tokens 8"}
+SERVE_SMALLER = {"--model smollm2": "--model {model}", "--codebook model-k4096.safetensors": "--codebook {codebook}"}
 PASSKEY_SMALLER = {"filler * 55 + ": "filler * 3 + ", " + filler * 55": " + filler * 3", "max_tokens=8": "max_tokens=2"}
 
 
@@ -126,3 +133,45 @@ def test_the_real_model_path_runs(tmp_path, monkeypatch):
     monkeypatch.setattr("builtins.print", lambda *a, **k: out.append(" ".join(map(str, a))))
     exec(compile(_smaller(code, PASSKEY_SMALLER), "README.md:passkey", "exec"), {"__name__": "__readme__"})
     assert out[0].endswith("prompt tokens") and [o.split(":")[0] for o in out[1:]] == ["dense", "A2ATS"], out
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    from test_generate_cli import tiny_model_and_codebook   # tests/runtime: the tiny model folder and its codebook
+
+    return tiny_model_and_codebook(tmp_path_factory.mktemp("readme-tiny"))
+
+
+def _block_line(prog: str, edits: dict, files) -> list[str]:
+    """The README's one `prog` line of the generate/serve block, at test size, split as the shell would."""
+    (block,) = [b for b in blocks(section("Using A2ATS with a real model"), "bash") if "a2ats-generate" in b]
+    (line,) = [l.strip() for l in block.splitlines() if l.strip().startswith(prog + " ")]
+    model, codebook = (shlex.quote(str(f)) for f in files)
+    args = shlex.split(_smaller(line, {k: v.format(model=model, codebook=codebook) for k, v in edits.items()}))
+    assert [a for a in args if a.startswith("-")] == [a for a in shlex.split(line) if a.startswith("-")]
+    return args
+
+
+def test_the_readme_generate_line_runs(tiny_files):
+    args = _block_line("a2ats-generate", GENERATE_SMALLER, tiny_files)
+    args[0] = str(Path(sys.executable).parent / args[0])   # the .venv's entry point
+    run = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"^Generation: \d+ tokens, [\d.]+ tokens-per-sec$", run.stdout, flags=re.M), run.stdout
+
+
+def test_the_readme_server_line_parses_and_loads(tiny_files, monkeypatch):
+    import mlx_lm.server as mlx_server
+
+    from a2ats_ref.runtime import server
+
+    args = _block_line("a2ats-server", SERVE_SMALLER, tiny_files)
+    served = []
+    monkeypatch.setattr(mlx_server, "run", lambda host, port, provider: served.append((port, provider)))
+    try:
+        rc = server.main(args[1:])
+    except SystemExit as exc:   # argparse refused a flag of the README's line
+        pytest.fail(f"a2ats-server refused the README's flags {args[1:]} (exit {exc.code})")
+    assert rc == 0 and len(served) == 1, "a2ats-server did not reach the point where it serves"
+    port, provider = served[0]
+    assert port == int(args[args.index("--port") + 1]) and provider.model is not None

@@ -50,20 +50,24 @@ def _model_folder(path: Path, seed: int) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def tiny_model_and_codebook(root: Path) -> tuple[Path, Path]:
+    """The tiny model folder under root and the codebook file calibrated for it."""
     from a2ats_ref.files.gguf import load_model
 
-    root = tmp_path_factory.mktemp("generate")
     folder = _model_folder(root / "tiny", seed=0)
-    other = _model_folder(root / "tiny-other-weights", seed=1)
     text = root / "calib.txt"
     text.write_text(WORDS * 20)
     model, tok = load_model(folder)
     cb = cal.calibrate(model, tok, texts=[text], tokens=400, codebook_size=16, b=64, seed=0, seq_len=128,
                        packing="packed", chunk=64, quiet=True)
-    path = cb.save(root / "tiny-k16.safetensors")
-    return folder, other, path
+    return folder, cb.save(root / "tiny-k16.safetensors")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate")
+    folder, path = tiny_model_and_codebook(root)
+    return folder, _model_folder(root / "tiny-other-weights", seed=1), path
 
 
 def run(argv, capsys, monkeypatch=None, stdin=None):
