@@ -8,7 +8,9 @@ The model is a local mlx-lm model folder, a GGUF Llama file, or ``smollm2`` (the
 that model: it is read and checked before the model loads (a missing, corrupt or mismatched file stops the
 run with its name), and checked against the loaded weights before any token is generated. Generation is
 mlx-lm's own ``generate`` (prompt, then generated text, then prompt and generation tokens per second and
-peak memory, as ``mlx_lm.generate`` prints them) with one A2ATSCache per layer and the attention hook.
+peak memory, as ``mlx_lm.generate`` prints them) with one A2ATSCache per layer and the attention hook. A prompt
+longer than PROGRESS_AFTER_STEPS prefill steps reports its prefill on stderr (tokens done of total, tokens/s), so
+a long prefill is not mistaken for a hang; stdout is the same either way.
 
 Exit codes: 0 generated, 2 usage or input error (message on stderr, no traceback), 130 interrupted.
 """
@@ -18,12 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from a2ats_ref import _blas  # noqa: F401  (must load OpenBLAS before mlx.core is imported)
 
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
+#: a prompt longer than this many prefill steps reports its prefill progress on stderr
+PROGRESS_AFTER_STEPS = 2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="GGUF only: keep the file's quantized weights (less memory; on CPUs the default float32 "
                         "weights run faster)")
     p.add_argument("--verbose", type=_str2bool, default=True, metavar="BOOL",
-                   help="print the prompt/generation timings (True, default) or only the generated text (False)")
+                   help="print the prompt/generation timings, and the prefill progress of a long prompt on stderr "
+                        "(True, default), or only the generated text (False)")
     a = p.add_argument_group("A2ATS settings (ignored with --dense)")
     a.add_argument("--topk", type=_topk, default=d.topk,
                    help=f"tokens retrieved per query head: a fraction in (0, 1] of the context (e.g. 0.03) or a count "
@@ -167,6 +173,24 @@ def _load_model(src: Path, quantized: bool):
     return gguf.load_model(src)
 
 
+def _prefill_progress(n_prompt: int, step: int):
+    """mlx-lm's prompt_progress_callback printing 'prefill done/total tokens, rate' to stderr, or None for a prompt
+    of at most PROGRESS_AFTER_STEPS steps."""
+    if n_prompt <= PROGRESS_AFTER_STEPS * step:
+        return None
+    start = []
+
+    def report(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if not start:   # mlx-lm's first call, (0, total), comes as the prefill begins
+            start.append(now)
+            return
+        rate = done / max(now - start[0], 1e-9)
+        print(f"[a2ats-generate] prefill {done}/{total} tokens, {rate:.1f} tokens/s", file=sys.stderr, flush=True)
+
+    return report
+
+
 def _prompt_text(args, tokenizer) -> tuple[str, bool]:
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     if prompt == "-":
@@ -242,8 +266,9 @@ def run(args) -> int:
     if args.verbose:
         print(f"[a2ats-generate] {mode}", file=sys.stderr, flush=True)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    progress = _prefill_progress(len(ids), args.prefill_step_size) if args.verbose else None
     out = generate(model, tokenizer, ids, max_tokens=args.max_tokens, verbose=args.verbose, sampler=sampler,
-                   prompt_cache=cache, prefill_step_size=args.prefill_step_size)
+                   prompt_cache=cache, prefill_step_size=args.prefill_step_size, prompt_progress_callback=progress)
     if not args.verbose:
         print(out)
     return 0

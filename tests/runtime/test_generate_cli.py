@@ -109,6 +109,23 @@ def test_a2ats_and_dense_both_ways(files, capsys, monkeypatch):
     assert rc == 0 and "tokens-per-sec" not in out_s and out_s.strip()
 
 
+def test_a_long_prefill_reports_progress_on_stderr_and_stdout_is_unchanged(files, capsys, monkeypatch):
+    folder, _, cb = files
+    argv = ["--model", folder, "--codebook", cb, "--prompt", WORDS * 2, "--max-tokens", 6, "--ignore-chat-template",
+            "--prefill-step-size", 16]   # one token per character: 170 prompt tokens, over 2 steps of 16
+    rc, out, err = run(argv, capsys)
+    assert rc == 0, err
+    lines = re.findall(r"^\[a2ats-generate\] prefill (\d+)/(\d+) tokens, [\d.]+ tokens/s$", err, flags=re.M)
+    assert len(lines) >= 2 and {int(t) for _, t in lines} == {len(WORDS * 2)}, err
+    assert [int(d) for d, _ in lines] == sorted(int(d) for d, _ in lines) and int(lines[-1][0]) == len(WORDS * 2)
+    monkeypatch.setattr(gen, "PROGRESS_AFTER_STEPS", 10**6)   # the same run, now below the threshold
+    rc, out_short, err_short = run(argv, capsys)
+    assert rc == 0 and "] prefill " not in err_short, err_short
+    rates = lambda s: re.sub(r"[\d.]+ (tokens-per-sec|GB)", r"N \1", s)   # timings differ from run to run
+    assert rates(out) == rates(out_short) and "] prefill " not in out
+    timings(out)
+
+
 def test_prompt_from_stdin_chat_template_and_sampling(files, capsys, monkeypatch):
     folder, _, cb = files
     template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
