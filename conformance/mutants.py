@@ -567,6 +567,27 @@ class CacheIgnoresScale(Mutant):
         return _NoScaleCache(config)
 
 
+class _HalfNoScaleCache(_SameClassOnLoad, ReferenceCache):
+    """A float16 decode branch that never reads config["scale"]; the float32 branch is right."""
+
+    def decode(self, q_post):
+        if np.asarray(q_post).dtype != np.float16:
+            return super().decode(q_post)
+        q = self._in(q_post)
+        out = self._c.decode(q[:, :, None, :], scale=None)
+        return self._out(out[:, :, 0, :]), self._out(self._c.last_selection)
+
+
+@_gap
+class HalfCacheIgnoresScale(Mutant):
+    expected_clause = "CACHE-DECODE"
+    bug = "the cache's float16 decode branch ignores config['scale'] (float32 decodes are right)"
+    gap = "test_cache.py::test_decode_matches_oracle"
+
+    def make_cache(self, config):
+        return _HalfNoScaleCache(config)
+
+
 class _U16At256Cache(_SameClassOnLoad, ReferenceCache):
     """Codes stored as uint8 only for K < 256: off by one, K = 256 codes (0..255) fit uint8."""
 

@@ -30,7 +30,8 @@ from a2ats_conformance.harness.adapter import (CACHE_FUNCTIONS, CLAUSE_FUNCTIONS
 from a2ats_conformance.harness.pytest_helpers import Context, ConformanceFailure
 from a2ats_conformance.run.watchdog import DEFAULT_EXAMPLE_TIMEOUT_S, ExampleTimeout, dump_path, time_limit
 
-__all__ = ["PROFILES", "known_clauses", "item_clauses", "current_profile", "DTYPE_MATRIX_CLAUSES", "dtypes_for"]
+__all__ = ["PROFILES", "known_clauses", "item_clauses", "current_profile", "DTYPE_MATRIX_CLAUSES", "dtypes_for",
+           "dtype_summary"]
 
 _HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large,
        HealthCheck.filter_too_much, HealthCheck.large_base_example]
@@ -187,7 +188,7 @@ def pytest_configure(config):
     _ACTIVE.append(config)
     if not hasattr(config, "workerinput"):
         _emit(config, "configured", pid=os.getpid(),
-              implementation=describe(adapter, spec) | {"dtype": ",".join(dtypes)})
+              implementation=describe(adapter, spec) | {"dtype": dtype_summary(config.stash[_STATE])})
     prof = getattr(config.option, "hypothesis_profile", None)
     if not prof:
         settings.load_profile("ci")
@@ -198,15 +199,26 @@ def pytest_report_header(config):
     if not st:
         return None
     a = st["adapter"]
-    return [f"a2ats IUT: {a.name} {a.version} ({st['spec']}), dtype(s): {', '.join(st['dtypes'])}, "
+    return [f"a2ats IUT: {a.name} {a.version} ({st['spec']}), dtype(s): {dtype_summary(st)}, "
             f"hypothesis profile: {current_profile()}"]
 
 
 #: Clauses whose properties a default run (no --dtype) also runs at every half-precision dtype the IUT declares:
 #: users run float16 and bfloat16 models, and a bug of a half-precision branch (a kernel that drops the
 #: attention scale, scores in the input dtype) shows only there. The other clauses run at the first dtype.
-DTYPE_MATRIX_CLAUSES = frozenset({"RET-LUT", "RET-ATTN", "RET-DECODE", "PREFILL"})
+DTYPE_MATRIX_CLAUSES = frozenset({"RET-LUT", "RET-ATTN", "RET-DECODE", "PREFILL", "CACHE-DECODE"})
 HALF_DTYPES = ("float16", "bfloat16")
+
+
+def dtype_summary(st: dict) -> str:
+    """Every dtype the run tests, for the report header: the run's dtypes, and the half-precision dtypes the
+    matrix clauses add in a default run (a reader of "float32" alone would think no float16 path ran)."""
+    base = ",".join(st["dtypes"])
+    matrix = DTYPE_MATRIX_CLAUSES & st["only"] if st.get("only") else DTYPE_MATRIX_CLAUSES
+    extra = [d for d in dtypes_for(st, matrix) if d not in st["dtypes"]]
+    if not extra:
+        return base
+    return f"{base} (+{','.join(extra)} for {', '.join(sorted(matrix))})"
 
 
 def dtypes_for(st: dict, clauses) -> list[str]:
@@ -459,7 +471,7 @@ def pytest_sessionfinish(session, exitstatus):
     if not path:
         return
     out = {
-        "implementation": describe(st["adapter"], st["spec"]) | {"dtype": ",".join(st["dtypes"])},
+        "implementation": describe(st["adapter"], st["spec"]) | {"dtype": dtype_summary(st)},
         "hypothesis_profile": current_profile(),
         "tests": st["tests"],
         "xfail_warnings": [f"line {d.lineno}: {d.pattern!r} matches no clause or test" for d in stale],
