@@ -19,6 +19,7 @@ TESTS = Path(__file__).resolve().parent
 #: test file (relative to tests/) -> why it carries no clause marker
 CLAUSE_FREE = {
     "bench/test_bench.py": "the a2ats-bench CLI, its JSON schema and results pages: measurements, not rules",
+    "bench/test_torch_peer.py": "a2ats-bench's PyTorch peer column and batched table: measurements, not rules",
     "runtime/test_blas_preload.py": "platform: which BLAS MLX binds to",
     "runtime/test_cli_help.py": "the commands' help texts and flag errors",
     "runtime/test_generate_cli.py": "the a2ats-generate command: flags, model sources, codebook refusals",
