@@ -583,6 +583,7 @@ class HalfCacheIgnoresScale(Mutant):
     expected_clause = "CACHE-DECODE"
     bug = "the cache's float16 decode branch ignores config['scale'] (float32 decodes are right)"
     gap = "test_cache.py::test_decode_matches_oracle"
+    half_precision = True   # shows only in the default run's dtype matrix
 
     def make_cache(self, config):
         return _HalfNoScaleCache(config)

@@ -67,9 +67,12 @@ def rejected_on_its_clause(tmp_path):
     def run(name):
         cls = getattr(mutants, name)
         out = tmp_path / "r.json"
+        # A cache mutant's bug shows at float32 unless it is a half-precision branch: running such a mutant over
+        # the whole dtype matrix would triple the time of the longest runs for nothing.
+        one_dtype = cls.expected_clause == "CACHE-DECODE" and not getattr(cls, "half_precision", False)
         code = main(["--iut", f"a2ats_conformance.mutants:{name}", "--profile", "selftest", "--seed", "0", "-q",
                      "--clauses", cls.expected_clause, "--report-json", str(out),
-                     "--counterexample-dir", str(tmp_path / "cex")])
+                     "--counterexample-dir", str(tmp_path / "cex"), *(["--dtype", "float32"] if one_dtype else [])])
         verdict = json.loads(out.read_text())["clauses"][cls.expected_clause]
         assert code == 1, f"{name} ({getattr(cls, 'coverage_item', '')} {cls.bug}) was not rejected: {verdict}"
         assert verdict["status"] == "fail"
