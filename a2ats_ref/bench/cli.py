@@ -503,7 +503,7 @@ def _run(args, profile: str) -> int:
     res = {"schema_version": SCHEMA_VERSION, "benchmark": args.what, "profile": profile,
            "provenance": results_page.provenance("a2ats-bench", args.argv), "machine": machine(tuned)}
     if args.what == "speed":
-        before = set(res) | {"decode_step_config"}
+        before = set(res) | {"decode_step_config", "peer"}   # descriptions, not measurements
         try:
             run_speed(profile, e2e=not args.no_e2e, conformance=not args.no_conformance, Ts=args.Ts,
                       only=args.only_sections, res=res, dtypes=args.dtype_list, batches=args.batch_list,
