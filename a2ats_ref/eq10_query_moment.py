@@ -39,8 +39,6 @@ def query_moment(queries, *, n_kv_heads: int, b: int, inv_freqs, traditional: bo
     peak = mx.max(mx.abs(H), axis=(-2, -1), keepdims=True)
     if not mx.all(peak > 0).item():
         raise ValueError("queries: a KV head's queries are all zero, so H cannot be RMS-normalised")
-    rms = peak * mx.sqrt(mx.mean(mx.square(H / peak), axis=(-2, -1), keepdims=True))
-    if not mx.all(rms > 0).item():
-        raise ValueError("queries: a KV head's queries are all zero, so H cannot be RMS-normalised")
+    rms = peak * mx.sqrt(mx.mean(mx.square(H / peak), axis=(-2, -1), keepdims=True))   # >= peak / d > 0
     out = H / rms + float(ridge) * mx.eye(d, dtype=mx.float32)
     return checks.check_no_overflow(out, "H (EQ-10)", "queries")

@@ -567,15 +567,13 @@ class CacheIgnoresScale(Mutant):
         return _NoScaleCache(config)
 
 
-class _HalfNoScaleCache(_SameClassOnLoad, ReferenceCache):
+class _HalfNoScaleCache(_NoScaleCache):
     """A float16 decode branch that never reads config["scale"]; the float32 branch is right."""
 
     def decode(self, q_post):
         if np.asarray(q_post).dtype != np.float16:
-            return super().decode(q_post)
-        q = self._in(q_post)
-        out = self._c.decode(q[:, :, None, :], scale=None)
-        return self._out(out[:, :, 0, :]), self._out(self._c.last_selection)
+            return ReferenceCache.decode(self, q_post)
+        return super().decode(q_post)
 
 
 @_gap

@@ -147,11 +147,12 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
     gathered = fast_decode.selection_size(T, n_q=n_q, n_kv=n_kv, w=w, sinks=sinks, topk=topk)
     item = mx.zeros((), dtype).itemsize
     by_method = {auto: "a2ats", **{k[6:]: k for k in res if k.startswith("a2ats_")}}
-    peer = _peer(B=1, n_q=n_q, n_kv=n_kv, T=T, d=d, dtype_name=dtype_name, reps=reps if on_cpu else GPU_REPS_PER_REP * reps)
+    n_reps = reps if on_cpu else GPU_REPS_PER_REP * reps
+    peer = _peer(B=1, n_q=n_q, n_kv=n_kv, T=T, d=d, dtype_name=dtype_name, reps=n_reps)
     return {
         **({} if peer is None else {"torch_sdpa_ms": peer["median_ms"],
                                     "over_torch_sdpa": peer["median_ms"] / res["a2ats"]["median_ms"]}),
-        "T": T, "dtype": dtype_name, "reps": reps if on_cpu else GPU_REPS_PER_REP * reps,
+        "T": T, "dtype": dtype_name, "reps": n_reps,
         "dense_ms": res["dense"]["median_ms"], "a2ats_ms": res["a2ats"]["median_ms"],
         "speedup": ratio("a2ats"), "select_method": auto,
         "loops": "one, every method interleaved" if on_cpu else "one per method, with dense",
@@ -169,11 +170,10 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
 
 
 def _peer(**kw) -> dict | None:
-    """PyTorch SDPA on the device MLX runs on (CUDA beside MLX CUDA, CPU beside MLX's CPU), else None."""
+    """PyTorch SDPA on the device MLX runs on (CUDA beside MLX CUDA, CPU beside MLX's CPU), else None (also where
+    torch is absent: sdpa_decode_ms says so)."""
     from a2ats_ref.bench import torch_peer
 
-    if torch_peer.unavailable():
-        return None
     on_gpu = mx.default_device().type != mx.cpu
     if (torch_peer.device() == "cuda") != on_gpu:
         return None

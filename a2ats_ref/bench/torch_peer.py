@@ -85,4 +85,4 @@ def sdpa_decode_ms(*, B: int, n_q: int, n_kv: int, T: int, d: int, dtype_name: s
     if dev == "cuda":
         torch.cuda.empty_cache()
     return {"median_ms": statistics.median(times), "min_ms": min(times), "reps": reps, "device": dev,
-            "bytes_read": 2 * B * n_kv * T * d * (2 if dt != torch.float32 else 4)}
+            "bytes_read": 2 * B * n_kv * T * d * torch.empty((), dtype=dt).element_size()}
