@@ -34,6 +34,7 @@ from a2ats_ref.codes import mx_code_dtype
 from a2ats_ref.files.atomic import (CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, load_json,
                                     verify_checksums)
 from a2ats_ref.files.untrusted import check_safetensors
+from a2ats_ref.runtime.threads import mark_thread
 from a2ats_ref.rope import _base_inv_freqs, fast_rope_from_json, fast_rope_to_json
 
 __all__ = ["save_a2ats_cache", "load_a2ats_cache", "FORMAT", "VERSION", "codebook_fingerprint"]
@@ -66,6 +67,7 @@ def save_a2ats_cache(path, caches, metadata: Optional[dict] = None) -> None:
     Atomic (a2ats_ref.files.atomic): an interrupted save leaves the previous file intact. Every array's
     SHA-256 is stored and verified on load.
     """
+    mark_thread()
     path = _check_path(path)
     check_writable(path, "path")
     if isinstance(caches, A2ATSCache) or not hasattr(caches, "__iter__"):
@@ -129,6 +131,7 @@ def load_a2ats_cache(path, codebook, *, return_metadata: bool = False):
     Returns a list of A2ATSCache (and the user metadata dict if return_metadata=True). A file that is not one, is
     corrupt, or does not fit the codebook raises ValueError naming the path and the field.
     """
+    mark_thread()
     path = _check_path(path)
     if not os.path.exists(path):   # a FIFO or device exists: check_safetensors refuses it unopened
         raise ValueError(f"path: no such file {path!r}")

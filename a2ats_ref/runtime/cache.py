@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import threading
 import warnings
 import weakref
 from dataclasses import asdict, dataclass
@@ -50,6 +49,7 @@ from a2ats_ref.eq16_z_transform import assign_z_unchecked, z_space_operands
 from a2ats_ref.eq18_back_transform import back_transform
 from a2ats_ref.runtime.decode.portable import prepare_codebook
 from a2ats_ref.runtime.decode.dispatch import decode_step_fast
+from a2ats_ref.runtime.threads import ThreadState, mark_thread
 from a2ats_ref.retrieval import attention_scale, gqa_group
 from a2ats_ref.rope import applied_cos_sin, fast_rope_args, fast_rope_from_json, fast_rope_to_json, rope_params_from_module, rotate_by_tables
 
@@ -305,7 +305,7 @@ def assign_codes(k_post: mx.array, positions: mx.array, codebook: LayerCodebook,
 
 #: per thread, (position, d, traditional, rope) -> (cos, sin) of the query angle, shared by the layers
 #: (A2ATSCache._query_angle); per thread, because a lazy array made in one thread fails in another
-_QUERY_ANGLES = threading.local()
+_QUERY_ANGLES = ThreadState()
 
 
 class A2ATSCache(_BaseCache):
@@ -352,6 +352,7 @@ class A2ATSCache(_BaseCache):
 
     # ---- mlx-lm protocol
     def update_and_fetch(self, keys, values):
+        mark_thread()
         self._check_kv(keys, values)
         prev, t = self.offset, keys.shape[2]
         if self._undecoded and t == 1 and not _warned_no_hook[0]:

@@ -59,12 +59,11 @@ SCRIPT = textwrap.dedent("""
     from a2ats_ref.runtime.hook import enable_a2ats
     from test_cache_support import a2ats_caches, quiet_codebook, run, tiny_llama, tokens
 
-    model = enable_a2ats(tiny_llama())   # built here, as a server loads its model; A2ATS runs only in the worker
-    codebook = quiet_codebook()
-
     finished = []
 
-    def work():
+    def work():   # the main thread never touches MLX: every stream is the worker's
+        model = enable_a2ats(tiny_llama())
+        codebook = quiet_codebook()
         caches = a2ats_caches(model, codebook, w=4, sinks=2, topk=0.1)
         run(model, tokens(100, seed=5), caches, prefill=80)
         save_a2ats_cache({path!r}, caches)
@@ -76,17 +75,21 @@ SCRIPT = textwrap.dedent("""
     print("done" if finished else "the worker raised")
 """)
 
+#: how many times the worker-only process runs: MLX's exit abort after worker-thread use is intermittent (measured:
+#: 13 of 16 runs of plain MLX in a worker thread, 3 of 8 of this script without the package's release), so one
+#: clean exit proves little
+EXIT_RUNS = 5
 
-#: MLX itself may abort at interpreter exit after a worker thread used it ('terminate called without an active
-#: exception', SIGABRT): the same happens with plain ``mx.random.uniform`` in a worker and no a2ats_ref at all, so
-#: that one exit is tolerated, and only after the A2ATS work in the worker has finished and printed its result
-_MLX_EXIT_ABORT = "terminate called without an active exception"
 
-
+@pytest.mark.clause("CACHE-DECODE")
 def test_a_process_that_uses_a2ats_only_in_a_worker_thread_exits_cleanly(tmp_path):
+    """MLX streams a worker thread leaves alive abort the process at exit (SIGABRT, 'terminate called without an
+    active exception'), after its work succeeded: a server's exit status would read as a crash."""
     code = SCRIPT.format(here=HERE, path=str(tmp_path / "c.safetensors"))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert "done" in out.stdout, f"the worker's decode and save did not finish: exit {out.returncode}; stderr:\n" \
-                                 f"{out.stderr[-3000:]}"
-    assert out.returncode == 0 or (out.returncode == -6 and _MLX_EXIT_ABORT in out.stderr), (
-        f"exit {out.returncode} (negative: signal {-out.returncode}); stderr:\n{out.stderr[-3000:]}")
+    for run_ in range(EXIT_RUNS):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert "done" in out.stdout, f"the worker's decode and save did not finish: exit {out.returncode}; " \
+                                     f"stderr:\n{out.stderr[-3000:]}"
+        assert out.returncode == 0, (f"run {run_ + 1}: exit {out.returncode} (negative: signal {-out.returncode}) "
+                                     f"after the worker finished; stderr:\n{out.stderr[-3000:]}")
+

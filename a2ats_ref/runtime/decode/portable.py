@@ -46,7 +46,6 @@ Three selection methods (``method=``): "host" (NumPy, exact top-k with the oracl
 from __future__ import annotations
 
 import math
-import threading
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -55,7 +54,8 @@ import numpy as np
 
 from a2ats_ref.eq12_far_keys import far_query_unchecked
 from a2ats_ref.rope import rotate_by_tables, rotate_unchecked
-from a2ats_ref.retrieval import own_token_only, topk_count
+from a2ats_ref.retrieval import topk_count
+from a2ats_ref.runtime.threads import ThreadState
 
 __all__ = ["prepare_codebook", "Selection", "selection_size", "tune_allocator",
            "allocator_tuning_wanted", "allocator_tuned"]
@@ -411,7 +411,7 @@ def _gather_blocks(S: int, BH: int, d: int, n_lanes: int = 1) -> list[tuple[int,
     return [(s, min(s + width, S)) for s in range(0, S, width)]
 
 
-_LANES = threading.local()   # MLX streams belong to the thread that made them: each thread keeps its own lanes
+_LANES = ThreadState()   # MLX streams belong to the thread that made them: each thread keeps its own lanes
 
 
 def _lanes() -> tuple:
