@@ -47,7 +47,7 @@ from a2ats_ref.eq17_kmeans import init_flop, kmeans, phase_stats, seed_centres
 from a2ats_ref.runtime.decode.portable import allocator_tuning_wanted, tune_allocator
 from a2ats_ref.files.atomic import (atomic_save_safetensors, check_writable, checksums, ndarray_sha256, text_sha256,
                                     verify_checksums)
-from a2ats_ref.files.untrusted import check_safetensors
+from a2ats_ref.files.untrusted import load_safetensors
 
 #: OPENBLAS_THREAD_TIMEOUT that a2ats-calibrate runs under unless the variable is already set: an idle OpenBLAS
 #: thread spins 2^4 cycles before it sleeps instead of OpenBLAS's default 2^28 (~0.1 s). With the default, the
@@ -275,7 +275,7 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
                                            checkpoint_tokens=checkpoint_tokens, quiet=quiet)
     # Every group's collection seconds, whichever run collected it: a resumed run's timings cover all its segments.
     timings["collect_s"] = round(col.seconds, 2)
-    n_layers, n_kv, d = col.meta["n_layers"], col.meta["n_kv"], col.meta["head_dim"]
+    n_layers, n_kv = col.meta["n_layers"], col.meta["n_kv"]
     timings.update(_collect.collect_rates(model, corpus.sequences, timings["collect_s"]))
 
     settings = {
@@ -608,9 +608,7 @@ def _load_partial(partial: Path, l: int, settings: dict, quiet: bool = True):
         return None
     redo = f"fitting layer {l} again"
     try:
-        check_safetensors(f, error=_Corrupt)   # before mx.load, which trusts the header
-        arrays, md = mx.load(str(f), return_metadata=True)
-        md = dict(md)
+        arrays, md = load_safetensors(f, error=_Corrupt)   # header checked first: mx.load trusts it
         if md.pop(_PARTIAL_META_SHA, None) != text_sha256(json.dumps(md, sort_keys=True)):
             raise _Corrupt("fails the SHA-256 checksum of its metadata")
         verify_checksums(f, arrays, md, error=_Corrupt)

@@ -33,7 +33,7 @@ from a2ats_ref.runtime.cache import A2ATSCache, A2ATSCodebook, A2ATSConfig, Laye
 from a2ats_ref.codes import mx_code_dtype
 from a2ats_ref.files.atomic import (CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, load_json,
                                     verify_checksums)
-from a2ats_ref.files.untrusted import check_safetensors
+from a2ats_ref.files.untrusted import load_safetensors
 from a2ats_ref.runtime.threads import mark_thread
 from a2ats_ref.rope import _base_inv_freqs, fast_rope_from_json, fast_rope_to_json
 
@@ -133,14 +133,11 @@ def load_a2ats_cache(path, codebook, *, return_metadata: bool = False):
     """
     mark_thread()
     path = _check_path(path)
-    if not os.path.exists(path):   # a FIFO or device exists: check_safetensors refuses it unopened
+    if not os.path.exists(path):   # a FIFO or device exists: load_safetensors refuses it unopened
         raise ValueError(f"path: no such file {path!r}")
     codebook = A2ATSCodebook.coerce(codebook)
-    check_safetensors(path, error=lambda msg: _bad(path, msg.replace(f"{path}: ", "", 1)))   # mx.load trusts it
-    try:
-        arrays, meta = mx.load(path, return_metadata=True)
-    except Exception as exc:  # noqa: BLE001 - any reader failure means a corrupt or foreign file
-        raise _bad(path, f"unreadable safetensors: {exc}") from None
+    # the header is checked first (mx.load trusts it), through the same open file the arrays are read from
+    arrays, meta = load_safetensors(path, error=lambda msg: _bad(path, msg.replace(f"{path}: ", "", 1)))
     if meta.get("format") != FORMAT:
         raise _bad(path, f"format is {meta.get('format')!r}; was it written by mlx-lm's save_prompt_cache?")
     if meta.get("version") != str(VERSION):

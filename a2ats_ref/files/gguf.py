@@ -30,6 +30,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
+
+from a2ats_ref.files.atomic import load_json
+from a2ats_ref.files.untrusted import check_safetensors
 
 GGUF_GROUP_SIZE = 32
 
@@ -397,11 +401,11 @@ def _check_tokenizer_metadata(md: dict, vocab: int, path) -> None:
         bad("tokenizer.chat_template", "is not a string")
 
 
-def check_finite_weights(weights: dict, path) -> None:
+def check_finite_weights(weights: dict, path, *, what: str = "GGUF tensor", error=GGUFError) -> None:
     """Refuse NaN or infinite weights (float tensors, and the scales and biases of quantized ones) by name."""
     for name, a in weights.items():
         if mx.issubdtype(a.dtype, mx.floating) and not mx.all(mx.isfinite(a)).item():
-            raise GGUFError(f"{path}: GGUF tensor {name!r} holds NaN or infinite values (corrupt file)")
+            raise error(f"{path}: {what} {name!r} holds NaN or infinite values (corrupt file)")
 
 
 def _rename(name: str) -> str:
@@ -542,16 +546,39 @@ def load_model(path_or_dir):
         return model, tok
     if not (p / "config.json").is_file():
         raise ValueError(f"{p}: not an mlx-lm model directory (no config.json)")
-    from mlx_lm.utils import load
+    check_model_folder(p)
+    from mlx_lm.utils import load   # deferred: it imports transformers, seconds that a GGUF load never needs
 
     model, tok = load(str(p.resolve()))
+    check_finite_weights(dict(tree_flatten(model.parameters())), p, what="model weight", error=ValueError)
     return model, tok
+
+
+#: Largest config.json read: real ones are a few kB.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def check_model_folder(folder: Path) -> None:
+    """ValueError naming the file, unless ``folder``'s config.json is a bounded JSON object and every
+    ``*.safetensors`` in it passes check_safetensors. mlx-lm's loader reads these by path and trusts their
+    headers (a crafted size or span loads the wrong bytes or none), so they are checked before it runs."""
+    cfg = folder / "config.json"
+    size = cfg.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{cfg}: {size} bytes, more than the {MAX_CONFIG_BYTES} a model config may have")
+    config = load_json(cfg.read_text(errors="replace"), str(cfg))
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg}: a JSON {type(config).__name__}, expected an object of model settings")
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise ValueError(f"{folder}: no *.safetensors weights beside config.json; give an mlx-lm model folder "
+                         f"(mlx_lm.convert writes one) or a GGUF file")
+    for f in weights:
+        check_safetensors(f)
 
 
 def fingerprint_arrays(arrays: dict) -> str:
     """sha256 (hex) over (name, shape, dtype) and raw bytes of every array, sorted by name."""
-    import numpy as np
-
     h = hashlib.sha256()
     for name in sorted(arrays):
         a = arrays[name]
@@ -567,7 +594,5 @@ def weights_fingerprint(model: nn.Module) -> str:
     tensors, whether the model holds them quantized or dequantized), else a hash of the parameters
     as held in memory (quantized layers: packed weights, scales, biases).
     """
-    from mlx.utils import tree_flatten
-
     attached = getattr(model, "a2ats_weights_fingerprint", None)
     return attached or fingerprint_arrays(dict(tree_flatten(model.parameters())))

@@ -7,6 +7,10 @@ MAX_HEADER_BYTES (it sizes a read); JSON that is not an object of tensor entries
 not read, whose shape is not a list of non-negative ints (MLX narrows each size to 32 bits, so a 2^32 + 8 would
 load as 8), or whose byte size differs from its ``data_offsets`` span; spans that run past the data or overlap
 (one stored array read as two); ``__metadata__`` that is not an object of strings.
+
+``load_safetensors`` checks and loads through one open file, so the file checked is the file loaded: a path
+swapped to another file between the check and the load (a rename over it, a symlink) is never read, and a file
+changed in place while it is read (its size or modification time differ after the load) is refused.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import math
 import os
 import stat
 
+import mlx.core as mx
+
 from a2ats_ref.files.atomic import load_json
 
-__all__ = ["MAX_HEADER_BYTES", "DTYPE_BYTES", "check_safetensors"]
+__all__ = ["MAX_HEADER_BYTES", "DTYPE_BYTES", "check_safetensors", "load_safetensors"]
 
 #: Longest header accepted: ours are a few kB (the checksums of every array included).
 MAX_HEADER_BYTES = 100_000_000
@@ -31,25 +37,31 @@ def _is_size(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _read_header(path, error) -> tuple[bytes, int]:
-    """(header bytes, bytes of data after them); a FIFO or device is not read (O_NONBLOCK, checked regular)."""
+def _open_regular(path, error):
+    """A file object on ``path``, refused unread unless it is a regular file (O_NONBLOCK: a FIFO never blocks)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise error(f"{path}: cannot be opened ({exc.strerror or exc})") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{path}: not a regular file; pass a .safetensors file")
-        size = st.st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise error(f"{path}: not a safetensors file ({size} bytes, shorter than the 8-byte header length)")
-        n = int.from_bytes(head, "little")
-        if n > min(MAX_HEADER_BYTES, size - 8):
-            raise error(f"{path}: not a safetensors file (the header claims {n} bytes; the file has {size - 8} after "
-                        f"the length, and at most {MAX_HEADER_BYTES} are read)")
-        text = f.read(n)
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise error(f"{path}: not a regular file; pass a .safetensors file")
+    return f
+
+
+def _read_header(f, path, error) -> tuple[bytes, int]:
+    """(header bytes, bytes of data after them) of the open file ``f``, read from its start."""
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    head = f.read(8)
+    if len(head) < 8:
+        raise error(f"{path}: not a safetensors file ({size} bytes, shorter than the 8-byte header length)")
+    n = int.from_bytes(head, "little")
+    if n > min(MAX_HEADER_BYTES, size - 8):
+        raise error(f"{path}: not a safetensors file (the header claims {n} bytes; the file has {size - 8} after "
+                    f"the length, and at most {MAX_HEADER_BYTES} are read)")
+    text = f.read(n)
     if len(text) != n:
         raise error(f"{path}: shorter than its header says (truncated while read)")
     return text, size - 8 - n
@@ -58,7 +70,35 @@ def _read_header(path, error) -> tuple[bytes, int]:
 def check_safetensors(path, *, error=ValueError) -> dict:
     """The header entries of the safetensors file ``path`` ({name: {"dtype", "shape", "data_offsets"}}), or
     ``error`` naming the path and what is wrong (module docstring). Reads the header only."""
-    raw, data_bytes = _read_header(path, error)
+    with _open_regular(path, error) as f:
+        return _check_open(f, path, error)
+
+
+def load_safetensors(path, *, error=ValueError) -> tuple[dict, dict]:
+    """(arrays, metadata) of the safetensors file ``path``, its header checked first (check_safetensors) and both
+    read through the same open file; ``error`` naming the path if it is refused, unreadable, or changed while read.
+    """
+    with _open_regular(path, error) as f:
+        before = os.fstat(f.fileno())
+        header = _check_open(f, path, error)
+        f.seek(0)
+        try:
+            arrays, meta = mx.load(f, format="safetensors", return_metadata=True)
+            mx.eval(arrays)
+        except Exception as exc:  # noqa: BLE001 - any reader failure means a corrupt or foreign file
+            raise error(f"{path}: not a readable safetensors file ({exc})") from None
+        after = os.fstat(f.fileno())
+    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+        raise error(f"{path}: changed while it was read (size or modification time differ); read it again once "
+                    f"its writer has finished")
+    got = {k: list(v.shape) for k, v in arrays.items()}
+    if got != {k: ent["shape"] for k, ent in header.items()}:   # what was loaded is what was checked
+        raise error(f"{path}: the arrays read do not match the header checked (changed while read)")
+    return arrays, dict(meta)
+
+
+def _check_open(f, path, error) -> dict:
+    raw, data_bytes = _read_header(f, path, error)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -66,7 +106,8 @@ def check_safetensors(path, *, error=ValueError) -> dict:
     header = load_json(text, f"{path}: safetensors header", error=error)
     if not isinstance(header, dict):
         raise error(f"{path}: safetensors header is a JSON {type(header).__name__}, expected an object")
-    meta = header.pop("__metadata__", {})
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta   # MLX writes null for a file saved without metadata
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise error(f"{path}: safetensors __metadata__ is not a JSON object of strings (corrupt file)")
     spans = []

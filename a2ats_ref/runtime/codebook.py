@@ -29,7 +29,7 @@ import numpy as np
 from a2ats_ref.checks import check_cholesky_conditioning
 from a2ats_ref.files.atomic import (CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, load_json,
                                     verify_checksums)
-from a2ats_ref.files.untrusted import check_safetensors
+from a2ats_ref.files.untrusted import load_safetensors
 
 FORMAT_NAME = "a2ats-codebook"
 FORMAT_VERSION = "1"
@@ -126,13 +126,9 @@ class Codebook:
         path = Path(path)
         if path.is_dir():
             raise CodebookError(f"{path}: is a folder; pass the codebook file (.safetensors) a2ats-calibrate wrote")
-        if not path.exists():   # a FIFO or device exists: check_safetensors refuses it unopened
+        if not path.exists():   # a FIFO or device exists: load_safetensors refuses it unopened
             raise FileNotFoundError(f"codebook file not found: {path}")
-        check_safetensors(path, error=CodebookError)   # before mx.load, which trusts the header
-        try:
-            arrays, md = mx.load(str(path), format="safetensors", return_metadata=True)
-        except Exception as exc:
-            raise CodebookError(f"{path}: not a readable safetensors file ({exc})") from None
+        arrays, md = load_safetensors(path, error=CodebookError)   # header checked first: mx.load trusts it
         if md.get("format") != FORMAT_NAME:
             raise CodebookError(
                 f"{path}: not an a2ats codebook (metadata 'format' is {md.get('format')!r}, expected {FORMAT_NAME!r})"

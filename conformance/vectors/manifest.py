@@ -64,9 +64,9 @@ class _Check:
             real = inside(self.dir, rel, f"{where}: array path")
             if rel not in self.seen:
                 self.seen[rel] = None
-                regular_file(real, f"{where}: array {rel!r}:")
+                regular_file(real, f"{where}: array {rel!r}:", own=True)
                 if self.check_arrays:
-                    check_npy_header(real, f"{where}: array {rel!r}:")
+                    check_npy_header(real, f"{where}: array {rel!r}:", own=True)
         except UntrustedFileError as exc:
             raise ManifestError(f"{self.path}: {exc}") from None
 
@@ -229,7 +229,7 @@ def load_vectors(vectors_dir: str, *, check_arrays: bool = True):
                          f"'a2ats-conformance vectors --out {vectors_dir}'")
     try:
         inside(vectors_dir, "manifest.json", "manifest")
-        manifest = read_json(path, "manifest", follow=True)
+        manifest = read_json(path, "manifest", follow=True, own=True)
     except UntrustedFileError as exc:
         raise ManifestError(str(exc)) from None
     fmt = manifest.get("format") if isinstance(manifest, dict) else None
@@ -245,7 +245,7 @@ def load_vectors(vectors_dir: str, *, check_arrays: bool = True):
         rel = v if isinstance(v, str) else v.get("array")
         if rel is not None:
             real = inside(vectors_dir, rel, "array path")
-            return read_npy(real, f"vectors array {rel!r}:")
+            return read_npy(real, f"vectors array {rel!r}:", own=True)
         if "dtype" in v:
             return np.dtype(v["dtype"])
         return v["value"]

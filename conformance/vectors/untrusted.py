@@ -2,8 +2,8 @@
 
 A path names a regular file inside its folder (after symlinks are resolved), or it is refused before
 anything is read or written; a non-regular file (a FIFO, a device) is never opened, so a read cannot block; a
-file that must be the folder's own (an answer) is refused if it has more than one hard link, since a link made
-in the folder can alias any file its maker could name, outside the folder too;
+file of the folder (a manifest, an expected array, an answer) is refused if it has more than one hard link, since
+a link made in the folder can alias any file its maker could name, outside the folder too;
 a JSON file is bounded in size before it is parsed and in nesting while it is; a ``.npy`` header is checked
 against its file's length before an array is allocated, and never unpickled.
 """
@@ -157,9 +157,9 @@ def _npy_header(f, path: str, what: str):
     return shape, fortran, dtype
 
 
-def check_npy_header(path: str, what: str, *, follow: bool = False) -> None:
+def check_npy_header(path: str, what: str, *, follow: bool = False, own: bool = False) -> None:
     """UntrustedFileError unless ``path`` is a regular .npy file read_npy accepts (its data is not read)."""
-    with _open_regular(path, what, follow) as f:
+    with _open_regular(path, what, follow, own) as f:
         _npy_header(f, path, what)
 
 

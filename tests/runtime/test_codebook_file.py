@@ -191,3 +191,40 @@ def test_a_crafted_header_is_refused_before_its_arrays_are_used(tmp_path, edit, 
     with pytest.raises(CodebookError, match=message) as e:
         Codebook.load(p)
     assert str(p) in str(e.value)
+
+
+def _after_the_header_check(monkeypatch, act):
+    """Run ``act()`` once, right after the header of the file being loaded has been checked: the moment another
+    process would pick to swap or rewrite it."""
+    from a2ats_ref.files import untrusted
+
+    checked = untrusted._check_open
+
+    def check_then_act(f, path, error):
+        header = checked(f, path, error)
+        act()
+        return header
+    monkeypatch.setattr(untrusted, "_check_open", check_then_act)
+
+
+def test_a_file_swapped_in_after_the_check_is_never_read(tmp_path, monkeypatch):
+    """A crafted file renamed over the checked one between the check and the load must not reach mx.load."""
+    cb = make_codebook()
+    p = cb.save(tmp_path / "c.safetensors")
+    crafted = _with_header(make_codebook(seed=1).save(tmp_path / "crafted.safetensors"), _alias)
+    _after_the_header_check(monkeypatch, lambda: crafted.replace(p))
+    back = Codebook.load(p)   # the file that was checked: the one open when the swap happened
+    for l in range(cb.n_layers):
+        np.testing.assert_array_equal(np.array(back.cz[l]), np.array(cb.cz[l]))
+
+
+def test_a_file_rewritten_while_it_is_read_is_refused(tmp_path, monkeypatch):
+    p = make_codebook().save(tmp_path / "c.safetensors")
+
+    def grow():
+        with open(p, "ab") as f:
+            f.write(b"\0" * 64)
+    _after_the_header_check(monkeypatch, grow)
+    with pytest.raises(CodebookError, match="changed while it was read") as e:
+        Codebook.load(p)
+    assert str(p) in str(e.value)

@@ -178,6 +178,38 @@ def test_bad_a2ats_setting_names_the_flag(files, capsys):
     assert rc == 2 and "--window" in err, err
 
 
+def _crafted_weights(folder: Path, case: str) -> str:
+    """Edit the copied model folder's weights as a hostile folder would; -> what the error must name."""
+    f = folder / "model.safetensors"
+    if case == "nan-weight":
+        w = mx.load(str(f))
+        name = sorted(w)[0]
+        w[name] = mx.full(w[name].shape, float("nan"), w[name].dtype)
+        mx.save_safetensors(str(f), w)
+        return name
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    h = json.loads(raw[8:8 + n])
+    a, b = sorted(k for k in h if k != "__metadata__" and h[k]["shape"])[:2]
+    if case == "aliased-span":   # two weights on one stored array: mlx-lm's loader would read both from it
+        h[b] = dict(h[a])
+    else:                        # a size past 32 bits, which MLX's reader narrows
+        h[a]["shape"][0] += 2**32
+    text = json.dumps(h).encode()
+    f.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    return "model.safetensors"
+
+
+@pytest.mark.parametrize("case", ["aliased-span", "wrapped-shape", "nan-weight"])
+def test_a_crafted_model_folder_is_refused_naming_the_file(files, tmp_path, capsys, case):
+    import shutil
+
+    folder = Path(shutil.copytree(files[0], tmp_path / "model"))
+    named = _crafted_weights(folder, case)
+    rc, out, err = run(["--model", folder, "--dense", "--prompt", "x"], capsys)
+    assert rc == 2 and named in err and str(folder) in err and "Traceback" not in err and "Prompt:" not in out, err
+
+
 def test_missing_model_names_the_path(tmp_path, capsys):
     rc, _, err = run(["--model", tmp_path / "nope", "--dense"], capsys)
     assert rc == 2 and "nope" in err and "never downloads" in err

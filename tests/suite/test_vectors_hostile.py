@@ -238,6 +238,23 @@ def test_a_hard_linked_answer_is_refused(base, tmp_path, victim):
     assert code == 2 and victim in err and "hard links" in err, err
 
 
+@pytest.mark.parametrize("victim", ["manifest.json", "array"])
+def test_a_hard_linked_vectors_file_is_refused(base, tmp_path, victim):
+    """A hard link in the vectors folder may alias a file from outside it (the expected outputs a port is graded
+    against, or the manifest itself): it is refused as an answer's is, before any answer is written."""
+    m, _, _ = base
+    v, a = _copy(base, tmp_path)
+    name = "manifest.json" if victim == "manifest.json" else next(_refs(m["calls"]))
+    os.link(v / name, tmp_path / "outside")
+    out = tmp_path / "fresh"
+    out.mkdir()
+    code, err = _grade(v, out, "--iut", ORACLE_IUT)
+    assert code == 2 and os.path.basename(name) in err and "hard links" in err, err
+    assert _listing(out) == [], "answers were written from a vectors folder holding a hard link"
+    code, err = _grade(v, a)
+    assert code == 2 and "hard links" in err, err
+
+
 def _listing(folder):
     return sorted(os.listdir(folder))
 
