@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import importlib.util
 import os
+import resource
 import site
 import sys
 import sysconfig
@@ -110,8 +112,6 @@ def _memfd_copy(data: bytes, name: str) -> int:
     before writing (writing past it raises SIGXFSZ, which kills a process that does not ignore it), every write
     is checked, and the file's final size must equal len(data).
     """
-    import resource
-
     soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     if soft != resource.RLIM_INFINITY and len(data) > soft:
         raise OSError(f"the file-size limit (RLIMIT_FSIZE, ulimit -f) of {soft} bytes is below the "
@@ -190,8 +190,6 @@ def _load_checked(path: Path):
 
 def mlx_installed() -> bool:
     """Whether ``mlx`` can be imported, found without importing it (so the preload can still precede it)."""
-    import importlib.util
-
     try:
         return importlib.util.find_spec("mlx") is not None
     except (ImportError, ValueError):
@@ -289,7 +287,7 @@ def _find_numpy_blas():
     global _numpy_blas_fns
     if _numpy_blas_fns is None:
         _numpy_blas_fns = False
-        import numpy  # noqa: F401 - maps its BLAS
+        import numpy  # noqa: F401  # deferred: maps its BLAS, which must come after the preload
         try:
             with open("/proc/self/maps") as f:
                 paths = sorted({ln.split(None, 5)[5].strip() for ln in f if len(ln.split(None, 5)) == 6
@@ -356,7 +354,7 @@ def blas_status() -> dict:
 
 def matmul_gflops(m: int = 1024, k: int = 576, n: int = 1536, *, repeats: int = 5) -> float:
     """Best-of-``repeats`` float32 matmul throughput of MLX on the CPU, in GFLOP/s."""
-    import mlx.core as mx
+    import mlx.core as mx  # deferred: MLX loads only after the BLAS preload this module does
 
     a = mx.random.normal((m, k), key=mx.random.key(0))
     b = mx.random.normal((k, n), key=mx.random.key(1))

@@ -80,7 +80,7 @@ def _scaling_number(scaling: dict, key: str, default):
 
 def rope_params_from_module(rope_module, head_dim: int | None = None) -> tuple[mx.array, bool]:
     """(inv_freqs, traditional) of an mlx-lm rope module (nn.RoPE or Llama3RoPE, full rotary dim)."""
-    from mlx_lm.models.rope_utils import Llama3RoPE
+    from mlx_lm.models.rope_utils import Llama3RoPE  # deferred: equation modules import without mlx-lm
 
     name = type(rope_module).__name__
     if type(rope_module) is nn.RoPE:
@@ -108,7 +108,7 @@ def fast_rope_args(rope_module) -> dict:
 
     Kept by the cache so it can undo the rotation with the very kernel that applied it (applied_cos_sin).
     """
-    from mlx_lm.models.rope_utils import Llama3RoPE
+    from mlx_lm.models.rope_utils import Llama3RoPE  # deferred: equation modules import without mlx-lm
 
     if type(rope_module) is Llama3RoPE:
         return {"freqs": rope_module._freqs.astype(mx.float32)}

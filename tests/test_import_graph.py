@@ -145,3 +145,43 @@ def test_public_api_from_the_package_top():
                            make_a2ats_cache, save_a2ats_cache)
     assert set(a2ats_ref._PUBLIC) <= set(a2ats_ref.__all__)
     assert A2ATSConfig.__module__ == "a2ats_ref.runtime.cache"
+
+
+#: The packages whose every import inside a function must say why it is not at the module's top.
+REASONED = ("a2ats_ref",)
+DEFERRED_MARK = "# deferred:"
+
+
+def deferred_without_reason(folders, root: Path = ROOT) -> list[str]:
+    """'path:line: import' for each import inside a function that carries no ``# deferred: <reason>`` comment, on
+    its own line or on a comment line directly above the run of imports it belongs to."""
+    bad = []
+    for folder in folders:
+        for path in sorted(folder.rglob("*.py")):
+            src = path.read_text().splitlines()
+            for node in ast.walk(ast.parse("\n".join(src), str(path))):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for sub in ast.walk(node):
+                    if not isinstance(sub, (ast.Import, ast.ImportFrom)):
+                        continue
+                    i = sub.lineno - 1
+                    while DEFERRED_MARK not in src[i] and i > 0 and src[i - 1].strip().startswith(("import ", "from ")):
+                        i -= 1
+                    if DEFERRED_MARK not in src[i] and not (i > 0 and src[i - 1].strip().startswith(DEFERRED_MARK)):
+                        bad.append(f"{path.relative_to(root)}:{sub.lineno}: {src[sub.lineno - 1].strip()}")
+    return bad
+
+
+def test_every_deferred_import_says_why():
+    """An import inside a function hides a cycle or a cost from a reader; each one states which (a CUDA-only module,
+    an optional extra, a CLI's --help that must not load MLX, a cycle), or moves to the module's top."""
+    assert deferred_without_reason(PACKAGES[p] for p in REASONED) == []
+
+
+def test_the_deferred_import_check_sees_an_unreasoned_import(tmp_path):
+    (tmp_path / "m.py").write_text("def f():\n    import json\n    return json\n\n\n"
+                                   "def g():\n    import os  # deferred: a reason\n    return os\n\n\n"
+                                   "def h():\n    # deferred: a reason for the run\n    import os\n    import sys\n"
+                                   "    return os, sys\n")
+    assert deferred_without_reason([tmp_path], tmp_path) == ["m.py:2: import json"]

@@ -17,6 +17,7 @@ import os
 import platform
 import signal
 import sys
+import threading
 import time
 
 from a2ats_ref import _blas  # noqa: F401  (must load OpenBLAS before mlx.core is imported)
@@ -44,7 +45,7 @@ def _gpu(mx) -> dict | None:
     """The GPU MLX runs on (name, memory, backend, whether float32 matmuls are TF32), None on a CPU device."""
     if mx.default_device().type != mx.gpu:
         return None
-    from a2ats_ref.precision import tf32_active
+    from a2ats_ref.precision import tf32_active  # deferred: --help and usage errors answer before MLX loads
 
     info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
     backend = "cuda" if getattr(mx, "cuda", None) is not None and mx.cuda.is_available() else "metal"
@@ -59,10 +60,10 @@ def _gpu(mx) -> dict | None:
 
 def machine(allocator_tuned: bool) -> dict:
     """Machine description attached to every result."""
-    import mlx.core as mx
+    import mlx.core as mx  # deferred: --help and usage errors answer before MLX loads
 
     try:
-        import mlx_lm
+        import mlx_lm  # deferred: --help and usage errors answer before MLX loads
         mlx_lm_version = getattr(mlx_lm, "__version__", None)
     except ImportError:  # pragma: no cover
         mlx_lm_version = None
@@ -120,6 +121,7 @@ SPEED_SECTIONS = ("decode", "batch", "library", "update", "e2e", "conformance")
 def run_speed(profile: str, *, e2e: bool = True, conformance: bool = True, Ts=None, only=None, res=None,
               dtypes=None, batches=None, batch_T=None, e2e_ctx=None) -> dict:
     """The speed sections, filled into ``res`` as each row completes (so an interrupted run keeps them)."""
+    # deferred: --help and usage errors answer before MLX loads
     from a2ats_ref.bench import speed as bs
     from a2ats_ref.bench import torch_peer
 
@@ -329,13 +331,13 @@ def peer_line(res: dict) -> str:
 
 
 def run_fidelity(profile: str, partial=None) -> dict:
-    from a2ats_ref.bench import fidelity as bf
+    from a2ats_ref.bench import fidelity as bf  # deferred: --help and usage errors answer before MLX loads
 
     return bf.run(profile, partial=partial)
 
 
 def fidelity_markdown(res: dict) -> str:
-    from a2ats_ref.bench import fidelity as bf
+    from a2ats_ref.bench import fidelity as bf  # deferred: --help and usage errors answer before MLX loads
 
     return bf.markdown(res)
 
@@ -447,8 +449,6 @@ def main(argv=None) -> int:
         if args.what != "fidelity":
             ap.error("--profile authors: only for fidelity")
         profile = {"tiny": "authors-tiny", "quick": "authors-quick"}.get(profile, "authors")
-    import threading
-
     main_thread = threading.current_thread() is threading.main_thread()   # only it may set a signal handler
     old_term = signal.signal(signal.SIGTERM, _term_as_interrupt) if main_thread else None
     try:
@@ -488,12 +488,13 @@ def _term_as_interrupt(signum, frame):
 def _run(args, profile: str) -> int:
     """Exit codes: 0 results written, 2 usage or input error (message on stderr), 130 interrupted (Ctrl-C or
     SIGTERM; a speed run that measured something keeps it in ``<json>.partial``, marked ``"partial": true``)."""
-    from a2ats_ref.files.atomic import check_writable
+    from a2ats_ref.files.atomic import check_writable  # deferred: --help and usage errors answer before MLX loads
 
     check_writable(args.json, "--json")  # before minutes of benchmarking, not after
     if args.md:
         check_writable(args.md, "--md")
     _blas.preload()
+    # deferred: --help and usage errors answer before MLX loads
     from a2ats_ref.runtime.decode import portable as fast_decode
 
     if args.no_tune_allocator:

@@ -39,10 +39,13 @@ _blas.preload()
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from mlx_lm.models.base import scaled_dot_product_attention
 
 from a2ats_ref.bench import speed as bench_speed  # noqa: E402
 from a2ats_ref.runtime.decode import dispatch  # noqa: E402
 from a2ats_ref.runtime.decode import portable as fast_decode  # noqa: E402
+from a2ats_ref.retrieval import topk_count
+from a2ats_ref.runtime.decode import cuda as cd
 
 
 def _cudart():
@@ -59,8 +62,6 @@ def _cudart():
 
 def _case(T: int, dtype_name: str):
     """a2ats-bench's decode-step inputs at Llama-3.1-8B shapes, their decode_step_fast keywords, and dense."""
-    from mlx_lm.models.base import scaled_dot_product_attention
-
     x = bench_speed.decode_step_inputs(T, bench_speed.DTYPES[dtype_name], **bench_speed.LLAMA31_8B)
     kw = bench_speed.decode_step_kwargs(x, T, d=bench_speed.LLAMA31_8B["d"])
     dense = lambda: scaled_dot_product_attention(x["q"], x["k"], x["v"], x["cache"], scale=kw["scale"], mask=None)
@@ -93,9 +94,6 @@ def profile_step(method: str, T: int, dtype_name: str) -> dict:
 
 def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
     """Median ms of the step and of its parts (see the module docstring); needs MLX's CUDA backend."""
-    from a2ats_ref.runtime.decode import cuda as cd
-    from a2ats_ref.retrieval import topk_count
-
     if not cd.on_cuda():
         raise SystemExit("--parts times the CUDA kernels: run it on MLX's CUDA backend")
     shape, K = bench_speed.LLAMA31_8B, 4096

@@ -28,14 +28,19 @@ Measurements (see README of the bench output):
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import sys
 import sysconfig
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import mlx_lm.models.llama as llama
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from a2ats_ref.calibration.corpus import EVAL_PACKAGES  # held out of a2ats-calibrate's default corpus
 from a2ats_ref.calibration import collect as _c
@@ -44,6 +49,12 @@ from a2ats_ref.calibration.calibrate import fit_layer, query_factors
 from a2ats_ref.eq16_z_transform import assign_z
 from a2ats_ref.eq18_back_transform import back_transform
 from a2ats_ref.retrieval import lut_scores, select_tokens, token_scores
+from a2ats_ref import _blas
+from a2ats_ref.calibration.corpus import build_corpus
+from a2ats_ref.files import gguf
+from a2ats_ref.rope import rope_params_from_module, rotate_unchecked
+from a2ats_ref.runtime.cache import A2ATSCodebook, A2ATSConfig, make_a2ats_cache
+from a2ats_ref.runtime.hook import enable_a2ats
 
 CALIB_PACKAGES = ("email", "json", "logging", "collections", "concurrent")
 
@@ -89,8 +100,6 @@ class _Recorder:
     """Temporarily wraps llama's attention function to record post-RoPE queries/keys per layer."""
 
     def __init__(self, model):
-        import mlx_lm.models.llama as llama
-
         self.llama, self.model = llama, model
         self.q, self.k = [], []
 
@@ -110,9 +119,6 @@ class _Recorder:
 
 
 def _load():
-    from a2ats_ref.files import gguf
-    from a2ats_ref.rope import rope_params_from_module
-
     model, tok, _ = gguf.load_gguf(gguf.smollm2_path(), dequantize=True)   # same values, BLAS matmuls
     attn = model.layers[0].self_attn
     n_q, n_kv = attn.n_heads, attn.n_kv_heads
@@ -124,8 +130,6 @@ def _load():
 
 def _collect(model, ids):
     """Post-RoPE q (L, n_q, T, d) and k (L, n_kv, T, d) of one dense forward over ids (float32)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     cache = make_prompt_cache(model)
     with _Recorder(model) as r:
         mx.eval(model(mx.array(ids)[None], cache=cache))
@@ -138,7 +142,6 @@ def _rot(x, pos, meta):
     Integer positions and float32 inv_freqs make pos * inv_freqs one correctly rounded float32
     product, the angle mlx-lm itself rotates by.
     """
-    from a2ats_ref.rope import rotate_unchecked
     pos = mx.array(np.asarray(pos, np.float32))
     return rotate_unchecked(x, pos, mx.array(meta["inv"].astype(np.float32)), meta["traditional"], 1.0)
 
@@ -283,7 +286,6 @@ class _QuantizedKeys:
     Prefill is dense. Values are never quantized."""
 
     def __init__(self, model, meta, books_full, *, far_only, w, sinks):
-        import mlx_lm.models.llama as llama
         self.llama, self.meta, self.books = llama, meta, books_full
         self.far_only, self.w, self.sinks = far_only, w, sinks
         self.layer_of, self.codes = {}, {}
@@ -319,10 +321,8 @@ class _QuantizedKeys:
 
 
 def _caches(model, kind, books_full, cfg):
-    from mlx_lm.models.cache import make_prompt_cache
     if kind in ("dense", "compression_only"):
         return make_prompt_cache(model)
-    from a2ats_ref.runtime.cache import A2ATSCodebook, make_a2ats_cache
     n = len(model.layers)
     Cz = mx.stack([books_full[i].Cz for i in range(n)])
     L = mx.stack([books_full[i].L for i in range(n)])
@@ -335,9 +335,6 @@ def _prefill(model, cache, ids):
 
 
 def perplexity(model, meta, prof, books_full, cfg):
-    from contextlib import nullcontext
-
-    from a2ats_ref.runtime.hook import enable_a2ats
     enable_a2ats(model)
     ids = _TOK.encode(eval_text((prof["ppl_prefill"] + prof["ppl_tokens"]) * 8))
     ids = ids[200: 200 + prof["ppl_prefill"] + prof["ppl_tokens"] + 1]
@@ -362,9 +359,6 @@ _FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. T
 
 
 def passkey(model, meta, prof, books_full, cfg):
-    from contextlib import nullcontext
-
-    from a2ats_ref.runtime.hook import enable_a2ats
     enable_a2ats(model)
     rng = np.random.default_rng(0)
     n_fill = len(_TOK.encode(_FILLER))
@@ -408,7 +402,6 @@ def run(profile: str, partial=None) -> dict:
     global _TOK
     if profile in AUTHORS_PROFILES:
         return run_authors(profile, partial=partial)
-    from a2ats_ref.runtime.cache import A2ATSConfig
 
     prof = dict(PROFILES[profile])
     b, w, sinks = 2048, 64, 8
@@ -503,8 +496,6 @@ def calibration_sequences(tok, *, text_tokens, uuid_tokens, max_len, packing, se
     """(sequences, text tokens, UUID tokens) from a2ats-calibrate's default corpus (a2ats_ref.calibration.corpus, asyncio
     held out): packing "documents" (the authors', sequences of at most ``max_len``) or "packed" (1,024-token
     sequences, a2ats-calibrate's packing before it followed the authors)."""
-    from a2ats_ref.calibration.corpus import build_corpus
-
     c = build_corpus(tok, tokens=text_tokens, uuid_fraction=uuid_tokens / text_tokens, seed=seed, packing=packing,
                      seq_len=max_len if packing == "documents" else 1024)
     return c.sequences, c.text_tokens, c.uuid_tokens
@@ -528,9 +519,6 @@ def fit_model_books(model, tok, *, text_tokens, uuid_tokens, max_len, K, steps, 
 
 def _collect_qkv(model, ids):
     """Post-RoPE q, k and v of one dense forward: (L, n_q, T, d), (L, n_kv, T, d), (L, n_kv, T, d), float32."""
-    import mlx_lm.models.llama as llama
-    from mlx_lm.models.cache import make_prompt_cache
-
     qs, ks, vs = [], [], []
     orig = llama.scaled_dot_product_attention
 
@@ -710,7 +698,6 @@ def retrieval_vs_compression(model, meta, prof, books, b, w, sinks, K):
 
 
 def _copy_caches(caches):
-    from mlx_lm.models.cache import KVCache
     out = []
     for c in caches:
         n = KVCache()
@@ -723,7 +710,6 @@ _METHODS = ("dense", "a2ats", "compression_faithful", "compression_velox")
 
 
 def _method_ctx(name, model, meta, books_full, w, sinks):
-    from contextlib import nullcontext
     if name.startswith("compression"):
         return _QuantizedKeys(model, meta, books_full, far_only=name == "compression_faithful", w=w, sinks=sinks)
     return nullcontext()
@@ -739,7 +725,6 @@ def _prefilled(model, ids, books_full, cfg):
 
 
 def authors_ppl(model, meta, prof, books_full, cfg):
-    from a2ats_ref.runtime.hook import enable_a2ats
     enable_a2ats(model)
     text = _TOK.encode(eval_text((200 + max(prof["ctxs"]) + prof["ppl_tokens"]) * 8))
     out = []
@@ -788,7 +773,6 @@ def _answer(model, cache, question, n=8):
 
 def authors_needles(model, meta, prof, books_full, cfg):
     """Passkey at every depth and context, plus a RULER-style multi-key needle (3 keys, one asked)."""
-    from a2ats_ref.runtime.hook import enable_a2ats
     enable_a2ats(model)
     rng = np.random.default_rng(0)
     cases = []
@@ -823,7 +807,6 @@ def authors_needles(model, meta, prof, books_full, cfg):
 def packing_compare(model, meta, prof, b, w, sinks):
     """The same K and token count calibrated with the authors' packing and with a2ats-calibrate's packing:
     attention-mass recall of query-aware VQ and A2ATS perplexity on the evaluation text."""
-    from a2ats_ref.runtime.cache import A2ATSConfig
     pc = prof["pack_compare"]
     cfg = A2ATSConfig(w=w, b=b, sinks=sinks, topk=0.03)
     out = {"K": pc["K"], "lloyd_steps": pc["steps"], "text_tokens": pc["text_tokens"], "uuid_tokens": pc["uuid_tokens"]}
@@ -844,7 +827,6 @@ def packing_compare(model, meta, prof, b, w, sinks):
 
 def _save_partial(path, res, timings):
     if path:
-        import json
         with open(path, "w") as f:
             json.dump(res | {"timings": timings, "partial": True}, f, indent=1)
 
@@ -853,7 +835,6 @@ def run_authors(profile: str, partial=None) -> dict:
     """The authors-profile run. ``partial``: a path rewritten (JSON) after every section, so a run cut short
     keeps what it measured."""
     global _TOK
-    from a2ats_ref.runtime.cache import A2ATSConfig
 
     prof = dict(AUTHORS_PROFILES[profile])
     b, w, sinks = 2048, 64, 8
@@ -944,10 +925,6 @@ def authors_markdown(res: dict) -> str:
 def main(argv=None) -> int:
     """``python -m a2ats_ref.bench.fidelity packing [--text-tokens N] [--K K] [--steps S] [--ctx T] --json F``:
     the calibration-packing comparison alone (documents vs packed, equal K and token count)."""
-    import argparse
-    import json
-
-    from a2ats_ref import _blas
     ap = argparse.ArgumentParser(prog="python -m a2ats_ref.bench.fidelity")
     ap.add_argument("what", choices=["packing"])
     ap.add_argument("--text-tokens", type=int, default=8192)

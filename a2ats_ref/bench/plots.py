@@ -26,17 +26,17 @@ RECALL_CURVES = {
 
 def available() -> bool:
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  # deferred: matplotlib is the optional [plot] extra
     except ImportError:
         return False
     return True
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # deferred: matplotlib is the optional [plot] extra
 
     matplotlib.use("Agg")   # files only: no display, no GUI backend on a headless machine
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: the optional [plot] extra
 
     return plt
 

@@ -7,17 +7,34 @@ median of the per-repetition ratios), so machine load drifts hit both sides alik
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
+import subprocess
 import sys
 import time
+import warnings
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from a2ats_ref.runtime.decode import portable as fast_decode
 from a2ats_ref.runtime.decode import dispatch, selfcheck
 from a2ats_ref.codes import code_dtype, mx_code_dtype
+from a2ats_ref._blas import matmul_gflops
+from a2ats_ref.bench import torch_peer
+from a2ats_ref.bench.fidelity import eval_text
+from a2ats_ref.files import gguf
+from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig, make_a2ats_cache, random_codebook
+from a2ats_ref.runtime.codebook import Codebook
+from a2ats_ref.runtime.decode.portable import allocator_tuned, selection_size
+from a2ats_ref.runtime.hook import enable_a2ats
 
 LLAMA31_8B = dict(n_q=32, n_kv=8, d=128)
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -56,8 +73,6 @@ def decode_step_inputs(T: int, dtype, *, n_q: int, n_kv: int, d: int, K: int = 4
     """Random post-RoPE q/k/v of one layer at context T for ``batch`` sequences, codes and one shared codebook;
     keys/values live in an mlx-lm KVCache filled by one prefill of T tokens (T a multiple of 256, so the cache
     hands back its own buffer)."""
-    from mlx_lm.models.cache import KVCache
-
     mx.random.seed(seed)
     q = mx.random.normal((batch, n_q, 1, d)).astype(dtype)
     cache = KVCache()
@@ -90,8 +105,6 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
     beside it ("mlx" in-graph argpartition, "host" NumPy, "sortfree" threshold from code counts), all
     interleaved in one loop. Every A2ATS call gets the per-code counts an A2ATSCache keeps (all T coded).
     """
-    from mlx_lm.models.base import scaled_dot_product_attention
-
     dtype = DTYPES[dtype_name]
     x = decode_step_inputs(T, dtype, n_q=n_q, n_kv=n_kv, d=d, K=K)
     kw = decode_step_kwargs(x, T, d=d, K=K, topk=topk, w=w, sinks=sinks, b=b)
@@ -119,7 +132,6 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
     auto = dispatch.auto_method(T - w - sinks, dv=d, **shape)
     fns = {"dense": dense, "a2ats": a2ats(auto)}
     if both_methods:
-        from a2ats_ref.runtime.decode import cuda as cuda_decode
         for m in SELECT_METHODS + (("cuda",) if selfcheck.usable(**shape) else ()):
             if m != auto:
                 fns["a2ats_" + m] = a2ats(m)
@@ -172,8 +184,6 @@ def decode_step_case(T: int, dtype_name: str, *, reps: int, n_q: int, n_kv: int,
 def _peer(**kw) -> dict | None:
     """PyTorch SDPA on the device MLX runs on (CUDA beside MLX CUDA, CPU beside MLX's CPU), else None (also where
     torch is absent: sdpa_decode_ms says so)."""
-    from a2ats_ref.bench import torch_peer
-
     on_gpu = mx.default_device().type != mx.cpu
     if (torch_peer.device() == "cuda") != on_gpu:
         return None
@@ -185,8 +195,6 @@ def batched_decode_table(T: int, batches, *, dtype_name: str = "float16", reps: 
     """B sequences of T tokens sharing one codebook, decoded in one decode_step_fast call (no loop over rows):
     A2ATS against mlx-lm's dense attention at the same B (interleaved), and PyTorch SDPA at the same B where it
     runs. Tokens/s = B / step time."""
-    from mlx_lm.models.base import scaled_dot_product_attention
-
     shape = dict(LLAMA31_8B if shape is None else shape)
     n_q, n_kv, d = shape["n_q"], shape["n_kv"], shape["d"]
     dtype = DTYPES[dtype_name]
@@ -287,8 +295,6 @@ def decode_step_table(Ts, dtypes, *, reps: int, shape=None, K: int = 4096, progr
 def _attention_only_llama(n_q: int, n_kv: int, d: int, dtype):
     """One-layer mlx-lm Llama with the decode-step table's attention shape and a tiny residual stream, so a
     generated token costs about one attention step (plus the projections of 256-wide hidden states)."""
-    from mlx_lm.models import llama
-
     args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=1, intermediate_size=256,
                            num_attention_heads=n_q, num_key_value_heads=n_kv, head_dim=d, rms_norm_eps=1e-5,
                            vocab_size=256, rope_theta=500000.0)
@@ -310,14 +316,6 @@ def library_decode_case(T: int, dtype_name: str, *, tokens: int = 8, rounds: int
     and trims back to T. Nothing here touches allocator settings: whatever ``enable_a2ats`` does by default
     is what is measured.
     """
-    import warnings
-
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from a2ats_ref.runtime.cache import make_a2ats_cache, random_codebook
-    from a2ats_ref.runtime.hook import enable_a2ats
-
     shape = dict(LLAMA31_8B if shape is None else shape)
     n_q, n_kv, d = shape["n_q"], shape["n_kv"], shape["d"]
     dt = DTYPES[dtype_name]
@@ -352,7 +350,6 @@ def library_decode_case(T: int, dtype_name: str, *, tokens: int = 8, rounds: int
     for r in range(rounds):
         for name in (("dense", "a2ats") if r % 2 == 0 else ("a2ats", "dense")):
             one_round(name, caches[name])
-    from a2ats_ref.runtime.decode.portable import allocator_tuned
 
     dm, am = float(np.median(times["dense"])), float(np.median(times["a2ats"]))
     return {"T": T, "dtype": dtype_name, "dense_ms_per_token": dm, "a2ats_ms_per_token": am,
@@ -363,9 +360,6 @@ def library_decode_case(T: int, dtype_name: str, *, tokens: int = 8, rounds: int
 def _library_case_subprocess(T: int, dtype_name: str, *, env_extra: dict, tokens: int, rounds: int, shape,
                              K: int, timeout: float = 1800) -> dict:
     """library_decode_case in a fresh Python process (no a2ats-bench setting carried over)."""
-    import json
-    import subprocess
-
     env = dict(os.environ)
     env.pop("A2ATS_TUNE_ALLOCATOR", None)
     env.update(env_extra)
@@ -404,10 +398,6 @@ def library_default_table(Ts, dtypes, *, shape=None, K: int = 4096, tokens: int 
 
 
 def _layer_codebook(n_kv: int, d: int, K: int, seed: int = 0):
-    import warnings
-
-    from a2ats_ref.runtime.cache import random_codebook
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return random_codebook(1, n_kv, d, K, seed=seed).layers[0]
@@ -431,10 +421,6 @@ def cache_update_table(Ts, *, shape=None, K: int = 4096, reps: int = 3, dtype: s
     codebook is then as cold as in a model (the other layers' codebooks pass through the caches in between),
     and the per-token evaluation is shared by the layers instead of paid by each.
     """
-    from mlx_lm.models.cache import KVCache
-
-    from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig
-
     shape = dict(LLAMA31_8B if shape is None else shape)
     n_kv, d = shape["n_kv"], shape["d"]
     dt = DTYPES[dtype]
@@ -510,8 +496,6 @@ def assignment_gemm_bound(n_kv: int, d: int, K: int, n: int, *, repeats: int = 7
     """The FLOP floor of exact batched code assignment (EQ-16): every token's distance to all K codewords of
     its KV head, 2·n_kv·d·K FLOP per token. Measured here: the batch's distance GEMM alone, (n_kv, n, d) @
     (n_kv, d, K), and a 1024³ GEMM as this machine's BLAS peak (best of ``repeats``, GFLOP/s)."""
-    from a2ats_ref._blas import matmul_gflops
-
     z = mx.random.normal((n_kv, n, d))
     CzT = mx.random.normal((n_kv, d, K))
     mx.eval(z, CzT, z @ CzT)
@@ -548,7 +532,6 @@ def memory_table(Ts, *, shape=None, K: int = 4096, dtype: str = "float16") -> di
 
 def _eval_text(n_chars: int) -> str:
     """Evaluation-side text: Python stdlib sources from packages calibration does not use (see bench_fidelity)."""
-    from a2ats_ref.bench.fidelity import eval_text
     return eval_text(n_chars)
 
 
@@ -557,14 +540,10 @@ def _load_codebook_or_random(model, n_layers, n_kv, d):
     decode speed does not depend on the codewords, and the result says which was used."""
     path = os.environ.get("A2ATS_SMOLLM2_CODEBOOK")
     if path:
-        from a2ats_ref.runtime.codebook import Codebook
-
         cb = Codebook.load(path)
         cb.validate_against(model)
         return cb, path
-    import warnings
 
-    from a2ats_ref.runtime.cache import random_codebook
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return random_codebook(n_layers, n_kv, d, 4096), (
@@ -577,10 +556,6 @@ def _bytes_per_token(model, ctx: int, *, n_layers: int, n_q: int, n_kv: int, d: 
     """Bytes one greedy decode step reads at context ctx: weights (every parameter once; the embedding table
     is also the LM head), then per layer dense K/V, or A2ATS's gathered K/V rows + codes + codebook (the LUT
     reads C; the batched code assignment reads Cz once per w + 1 tokens)."""
-    from mlx.utils import tree_flatten
-
-    from a2ats_ref.runtime.decode.portable import selection_size
-
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     dense_kv = 2 * n_layers * n_kv * ctx * d * itemsize
     rows = selection_size(ctx, n_q=n_q, n_kv=n_kv, w=w, sinks=sinks, topk=topk)
@@ -620,14 +595,6 @@ def e2e_smollm2(*, ctxs=(4096,), n_tokens: int = 32, real_prefill_max: int = 819
     of the model's shapes and random codes (decode speed does not depend on their content); rows say which.
     Also reported: bytes read per token and the ideal ratio from bytes (_bytes_per_token).
     """
-    import warnings
-
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from a2ats_ref.files import gguf
-    from a2ats_ref.runtime.cache import A2ATSConfig, make_a2ats_cache
-    from a2ats_ref.runtime.hook import enable_a2ats
-
     model, tok, _ = gguf.load_gguf(gguf.smollm2_path(), dequantize=dequantize)
     attn = model.layers[0].self_attn
     n_layers, n_kv, n_q = len(model.layers), attn.n_kv_heads, attn.n_heads
@@ -722,8 +689,6 @@ def e2e_smollm2(*, ctxs=(4096,), n_tokens: int = 32, real_prefill_max: int = 819
 
 
 def conformance_wall_time(timeout: float = 900) -> float | str:
-    import shutil
-    import subprocess
     exe = shutil.which("a2ats-conformance")
     cmd = [exe, "--profile", "ci"] if exe else [sys.executable, "-m", "a2ats_conformance.run.cli", "--profile", "ci"]
     t0 = time.perf_counter()
@@ -736,8 +701,6 @@ def conformance_wall_time(timeout: float = 900) -> float | str:
 
 
 if __name__ == "__main__":  # pragma: no cover - the fresh process of library_default_table
-    import json
-
     if len(sys.argv) == 3 and sys.argv[1] == "library-case":
         print(json.dumps(library_decode_case(**json.loads(sys.argv[2]))))
     else:

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from a2ats_ref import _blas  # already preloaded by a2ats_ref/__init__.py, before mlx.core
 from a2ats_ref.calibration import collect as _collect
@@ -48,6 +51,8 @@ from a2ats_ref.runtime.decode.portable import allocator_tuning_wanted, tune_allo
 from a2ats_ref.files.atomic import (atomic_save_safetensors, check_writable, checksums, ndarray_sha256, text_sha256,
                                     verify_checksums)
 from a2ats_ref.files.untrusted import load_safetensors
+from a2ats_ref.files import gguf
+from a2ats_ref.files.gguf import weights_fingerprint
 
 #: OPENBLAS_THREAD_TIMEOUT that a2ats-calibrate runs under unless the variable is already set: an idle OpenBLAS
 #: thread spins 2^4 cycles before it sleeps instead of OpenBLAS's default 2^28 (~0.1 s). With the default, the
@@ -156,8 +161,6 @@ def partial_lock(partial: Path):
 
     flock: the kernel drops the lock when its holder exits, killed or not, so there are no stale locks.
     """
-    import fcntl
-
     try:
         partial.mkdir(parents=True, exist_ok=True)
         fd = os.open(partial / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
@@ -243,8 +246,6 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
     _collect.model_rope_params(model)
     _check_finite_parameters(model)
     if fingerprint is None:
-        from a2ats_ref.files.gguf import weights_fingerprint
-
         fingerprint = weights_fingerprint(model)
     identity = model_identity(model, fingerprint=fingerprint)
 
@@ -412,8 +413,6 @@ def _calibrate(model, tokenizer, *, texts, tokens, codebook_size, b, seed, uuid_
 
 def _check_finite_parameters(model) -> None:
     """NaN or infinite weights give a NaN codebook after the whole collection: refused by name before it."""
-    from mlx.utils import tree_flatten
-
     for name, a in tree_flatten(model.parameters()):
         if mx.issubdtype(a.dtype, mx.floating) and not mx.all(mx.isfinite(a)).item():
             raise ValueError(f"model: parameter {name!r} holds NaN or infinite values; calibration would give a "
@@ -671,8 +670,6 @@ def check_out_path(out: Path, *, force: bool) -> Path:
 
 def check_numbers(args) -> None:
     """Numeric options, checked before the model loads (each message names its option)."""
-    import math
-
     for opt, v, lo in (("--tokens", args.tokens, 1), ("--seq-len", args.seq_len, 1), ("--chunk", args.chunk, 1),
                        ("--max-iter", args.max_iter, 1), ("--b", args.b, 0), ("--codebook-size", args.codebook_size, 1)):
         if v < lo:
@@ -705,7 +702,6 @@ def main(argv=None) -> int:
     if argv is None:
         _reexec_with_blas_timeout(sys.argv[1:])
     args = _parser().parse_args(argv)
-    from a2ats_ref.files import gguf
 
     out = Path(args.out)
     partial = None

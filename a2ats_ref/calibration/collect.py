@@ -31,6 +31,9 @@ from typing import Callable, Iterable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models import activations
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from a2ats_ref import _blas
 from a2ats_ref.rope import rope_apply, rope_params_from_module
@@ -271,8 +274,6 @@ def _host_swiglu(previous):
 def _collection_kernels(attns, sink: "_Sink"):
     """While collecting, bind _host_attention (and _host_swiglu where the module uses mlx-lm's ``swiglu``) in
     each attention module's Python module, as a2ats_ref.runtime.hook does for decoding; restored on exit."""
-    from mlx_lm.models import activations
-
     saved = []
     for m in (sys.modules[n] for n in dict.fromkeys(type(a).__module__ for a in attns)):
         if callable(getattr(m, _SDPA, None)):
@@ -310,8 +311,6 @@ def collect(
     total_tokens: int | None = None,
 ) -> Collected:
     """Run ``model`` over token ``sequences`` (each from an empty cache) and gather EQ-10/EQ-17 inputs."""
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
-
     if chunk < 1:
         raise ValueError(f"chunk: expected a positive number of tokens per prefill step, got {chunk}")
     attns = attention_layers(model)
@@ -380,8 +379,6 @@ def token_flops(model, sequences) -> np.ndarray:
     """Nominal FLOPs of each calibration token, in collection order: 2 per layer weight plus the causal
     attention (q k^T and p v: 4 d FLOPs per query head and key the token sees). Rates from these are
     effective rates: collection skips part of this work (the last layer's attention output and MLP)."""
-    from mlx.utils import tree_flatten
-
     attns = attention_layers(model)
     n_q, _, d = head_counts(attns[0])
     n_weights = sum(v.size for k, v in tree_flatten(model.parameters()) if ".layers." in f".{k}" and "layers" in k)

@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 CHECKSUMS_KEY = "checksums"
 
@@ -33,8 +34,6 @@ def array_sha256(a: mx.array) -> str:
 
 def ndarray_sha256(a) -> str:
     """SHA-256 of a NumPy array's dtype, shape and C-order bytes (the resume state of a2ats-calibrate)."""
-    import numpy as np
-
     a = np.ascontiguousarray(a)
     h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
     h.update(a.tobytes())

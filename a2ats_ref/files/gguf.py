@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,8 +193,6 @@ def read_gguf_header(path) -> GGUFHeader:
     tensor counts, key, string and array lengths; each tensor's name, dimension count (at most 4), dimensions, type
     and data range (aligned, inside the file, not overlapping another tensor). Raises GGUFError naming the field.
     """
-    import mmap
-
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -431,6 +430,7 @@ def _bits(weights: dict, prefix: str) -> int:
 
 def build_tokenizer(md: dict):
     """mlx-lm ``TokenizerWrapper`` around a fast tokenizer rebuilt from GGUF metadata (gpt2-style BPE)."""
+    # deferred: mlx-lm, tokenizers and transformers take seconds to import; only a GGUF's tokenizer needs them
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -478,7 +478,7 @@ def load_gguf(path, *, dequantize: bool = False) -> tuple[nn.Module, object, GGU
     GFLOP/s). ``dequantize=True`` instead expands every quantized layer (embedding included) to dense float32
     ``nn.Linear``/``nn.Embedding`` (same values; BLAS matmuls, ~40x faster prefill; used by calibration).
     """
-    from mlx_lm.models import llama
+    from mlx_lm.models import llama  # deferred: mlx-lm takes seconds to import; reading a header never needs it
 
     path = Path(path)
     if not path.is_file():

@@ -25,11 +25,13 @@ This module does not import the cache: A2ATSCache calls it (merge, deepcopy, sta
 from __future__ import annotations
 
 import numbers
+import sys
 from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
+from mlx_lm.models import cache as mlx_cache
 
 __all__ = ["A2ATSBatchCache", "copy_cache", "merge", "refuse_mlx_lm_save", "MLX_LM_SAVE_REFUSAL"]
 
@@ -50,11 +52,7 @@ def refuse_mlx_lm_save() -> None:
     (load_prompt_cache raises KeyError: 'A2ATSCache'). It reads `state` first, before writing anything,
     so refusing there leaves no file behind.
     """
-    import sys
-
     if not _SAVE_CODE:
-        from mlx_lm.models import cache as mlx_cache
-
         _SAVE_CODE.append(mlx_cache.save_prompt_cache.__code__)
     f = sys._getframe(2)   # 0: here, 1: the state getter; then the caller (a list comprehension on 3.11)
     for _ in range(3):

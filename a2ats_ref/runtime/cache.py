@@ -499,6 +499,7 @@ class A2ATSCache(_BaseCache):
 
     @property
     def state(self):
+        # deferred: batching builds on A2ATSCache: an import cycle at the top
         from a2ats_ref.runtime.batching import refuse_mlx_lm_save
 
         refuse_mlx_lm_save()   # mlx-lm's save_prompt_cache would write a file its loader cannot read
@@ -567,11 +568,13 @@ class A2ATSCache(_BaseCache):
     def merge(cls, caches):
         """One batch cache (a2ats_ref.runtime.batching.A2ATSBatchCache) from one cache per sequence, as mlx-lm's
         BatchGenerator merges them; the inputs are copied, not changed."""
+        # deferred: batching builds on A2ATSCache: an import cycle at the top
         from a2ats_ref.runtime.batching import merge
 
         return merge(caches, cls)
 
     def __deepcopy__(self, memo):
+        # deferred: batching builds on A2ATSCache: an import cycle at the top
         from a2ats_ref.runtime.batching import copy_cache
 
         return copy_cache(self)   # shares the codebook (mlx-lm's prompt-cache LRU deep-copies every cache)

@@ -21,15 +21,19 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from a2ats_ref.calibration.collect import attention_layers, head_counts
 from a2ats_ref.checks import check_cholesky_conditioning
 from a2ats_ref.files.atomic import (CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, load_json,
                                     verify_checksums)
+from a2ats_ref.files.gguf import weights_fingerprint
 from a2ats_ref.files.untrusted import load_safetensors
+from a2ats_ref.runtime.cache import A2ATSCodebook
 
 FORMAT_NAME = "a2ats-codebook"
 FORMAT_VERSION = "1"
@@ -46,8 +50,6 @@ class CodebookError(ValueError):
 
 def _package_version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("a2ats-ref")
     except Exception:  # not installed (source tree)
         return "unknown"
@@ -93,8 +95,6 @@ class Codebook:
 
     def to_cache_codebook(self):
         """The cache's in-memory form (a2ats_ref.runtime.cache.A2ATSCodebook)."""
-        from a2ats_ref.runtime.cache import A2ATSCodebook
-
         return A2ATSCodebook(self.cz, self.Ls)
 
     # ---- files
@@ -184,8 +184,6 @@ class Codebook:
             )
         fp = None
         if check_weights and mine.get("weights_fingerprint"):
-            from a2ats_ref.files.gguf import weights_fingerprint
-
             fp = weights_fingerprint(model)
         ident = model_identity(model, fingerprint=fp)
         problems = []
@@ -281,8 +279,6 @@ def _check_arrays(cz, Ls, *, where: str) -> None:
 
 def model_identity(model, *, fingerprint: str | None = None) -> dict:
     """What a codebook records about the model it was calibrated on."""
-    from a2ats_ref.calibration.collect import attention_layers, head_counts
-
     attns = attention_layers(model)
     n_q, n_kv, d = head_counts(attns[0])
     args = getattr(model, "args", None)

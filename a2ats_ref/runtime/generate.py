@@ -25,6 +25,16 @@ from pathlib import Path
 
 from a2ats_ref import _blas  # noqa: F401  (must load OpenBLAS before mlx.core is imported)
 
+import mlx.core as mx
+from mlx_lm.generate import generate
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from a2ats_ref.files import gguf
+from a2ats_ref.runtime.cache import A2ATSConfig, make_a2ats_cache
+from a2ats_ref.runtime.codebook import Codebook, CodebookError
+from a2ats_ref.runtime.hook import enable_a2ats
+
 DEFAULT_PROMPT = "hello"
 DEFAULT_MAX_TOKENS = 100
 #: a prompt longer than this many prefill steps reports its prefill progress on stderr
@@ -32,8 +42,6 @@ PROGRESS_AFTER_STEPS = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    from a2ats_ref.runtime.cache import A2ATSConfig
-
     d = A2ATSConfig()
     p = argparse.ArgumentParser(
         prog="a2ats-generate",
@@ -124,8 +132,6 @@ def _check_numbers(args) -> None:
 
 
 def _config(args, codebook):
-    from a2ats_ref.runtime.cache import A2ATSConfig
-
     b = args.b if args.b is not None else int(codebook.meta.get("b", A2ATSConfig().b)) if codebook else A2ATSConfig().b
     names = {"w": "--window", "sinks": "--sinks", "b": "--b", "topk": "--topk"}
     try:
@@ -165,8 +171,6 @@ def _check_codebook_fits(codebook, path: str, src: Path) -> None:
 
 
 def _load_model(src: Path, quantized: bool):
-    from a2ats_ref.files import gguf
-
     if src.is_file() and src.suffix.lower() == ".gguf":
         model, tok, _ = gguf.load_gguf(src, dequantize=not quantized)
         return model, tok
@@ -214,14 +218,6 @@ def _prompt_text(args, tokenizer) -> tuple[str, bool]:
 
 
 def run(args) -> int:
-    import mlx.core as mx
-    from mlx_lm.generate import generate
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.sample_utils import make_sampler
-
-    from a2ats_ref.files import gguf
-    from a2ats_ref.runtime.codebook import Codebook, CodebookError
-
     _check_numbers(args)
     if args.dense and args.codebook:
         raise ValueError("--dense: runs mlx-lm's dense cache and reads no codebook; drop --codebook or --dense")
@@ -251,9 +247,6 @@ def run(args) -> int:
         cache = make_prompt_cache(model)
         mode = "dense (mlx-lm KVCache)"
     else:
-        from a2ats_ref.runtime.cache import make_a2ats_cache
-        from a2ats_ref.runtime.hook import enable_a2ats
-
         try:
             enable_a2ats(model)
             cache = make_a2ats_cache(model, codebook, config)

@@ -20,13 +20,19 @@ from pathlib import Path
 
 from a2ats_ref import _blas  # noqa: F401  (must load OpenBLAS before mlx.core is imported)
 
+import mlx_lm.server as mlx_server
+from mlx_lm.server import ModelProvider
+
+from a2ats_ref.files.gguf import smollm2_path
+from a2ats_ref.runtime.cache import A2ATSConfig
+from a2ats_ref.runtime.codebook import Codebook, CodebookError
+from a2ats_ref.runtime.generate import _config, _load_model, _topk
+from a2ats_ref.runtime.hook import install_a2ats_cache
+
 __all__ = ["A2ATSModelProvider", "main"]
 
 
 def _a2ats_parser() -> argparse.ArgumentParser:
-    from a2ats_ref.runtime.cache import A2ATSConfig
-    from a2ats_ref.runtime.generate import _topk
-
     d = A2ATSConfig()
     p = argparse.ArgumentParser(
         prog="a2ats-server", add_help=False,
@@ -46,63 +52,42 @@ def _a2ats_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _provider_class():
-    from mlx_lm.server import ModelProvider
+class A2ATSModelProvider(ModelProvider):
+    """mlx_lm.server's ModelProvider whose models build A2ATS caches (a2ats_ref.runtime.hook.install_a2ats_cache);
+    it also loads GGUF files and 'smollm2'."""
 
-    class A2ATSModelProvider(ModelProvider):
-        """mlx_lm.server's ModelProvider whose models build A2ATS caches (a2ats_ref.runtime.hook.install_a2ats_cache);
-        it also loads GGUF files and 'smollm2'."""
+    def __init__(self, cli_args, codebook, config, codebook_path: str = "codebook"):
+        for flag, v in (("--kv-bits", getattr(cli_args, "kv_bits", None)),
+                        ("--draft-model", getattr(cli_args, "draft_model", None)),
+                        ("--adapter-path", getattr(cli_args, "adapter_path", None))):
+            if v is not None:
+                raise ValueError(f"{flag}: not supported with A2ATS (the codebook is fitted to one model's "
+                                 "weights, and mlx-lm quantizes only its own caches)")
+        self.a2ats_codebook, self.a2ats_config, self.a2ats_codebook_path = codebook, config, codebook_path
+        super().__init__(cli_args)
+        self.load_default()   # a model the codebook does not fit stops here, not in the generation thread
 
-        def __init__(self, cli_args, codebook, config, codebook_path: str = "codebook"):
-            for flag, v in (("--kv-bits", getattr(cli_args, "kv_bits", None)),
-                            ("--draft-model", getattr(cli_args, "draft_model", None)),
-                            ("--adapter-path", getattr(cli_args, "adapter_path", None))):
-                if v is not None:
-                    raise ValueError(f"{flag}: not supported with A2ATS (the codebook is fitted to one model's "
-                                     "weights, and mlx-lm quantizes only its own caches)")
-            self.a2ats_codebook, self.a2ats_config, self.a2ats_codebook_path = codebook, config, codebook_path
-            super().__init__(cli_args)
-            self.load_default()   # a model the codebook does not fit stops here, not in the generation thread
-
-        def _load(self, model_path, adapter_path=None, draft_model_path=None):
-            from a2ats_ref.runtime.hook import install_a2ats_cache
-            from a2ats_ref.runtime.codebook import CodebookError
-            from a2ats_ref.runtime.generate import _load_model
-            from a2ats_ref.files.gguf import smollm2_path
-
-            if adapter_path is not None or draft_model_path is not None:
-                raise ValueError("A2ATS: adapters and draft models are not supported")
-            src = smollm2_path() if model_path == "smollm2" else Path(model_path)
-            if src.is_file():
-                self.reset()
-                model, tokenizer = _load_model(src, quantized=False)
-                self.model_key = (model_path, None, None)
-                self.model, self.tokenizer, self.processor, self.draft_model = model, tokenizer, None, None
-            else:
-                super()._load(model_path, None, None)
-            try:
-                install_a2ats_cache(self.model, self.a2ats_codebook, self.a2ats_config)
-            except CodebookError as exc:
-                model_key = self.model_key
-                self.reset()
-                raise ValueError(f"{self.a2ats_codebook_path}: {exc} (model {model_key[0]})") from None
-            self.is_batchable = True   # A2ATSCache.merge: mlx-lm's BatchGenerator batches the requests
-
-    return A2ATSModelProvider
-
-
-def __getattr__(name):
-    if name == "A2ATSModelProvider":
-        return _provider_class()
-    raise AttributeError(name)
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        if adapter_path is not None or draft_model_path is not None:
+            raise ValueError("A2ATS: adapters and draft models are not supported")
+        src = smollm2_path() if model_path == "smollm2" else Path(model_path)
+        if src.is_file():
+            self.reset()
+            model, tokenizer = _load_model(src, quantized=False)
+            self.model_key = (model_path, None, None)
+            self.model, self.tokenizer, self.processor, self.draft_model = model, tokenizer, None, None
+        else:
+            super()._load(model_path, None, None)
+        try:
+            install_a2ats_cache(self.model, self.a2ats_codebook, self.a2ats_config)
+        except CodebookError as exc:
+            model_key = self.model_key
+            self.reset()
+            raise ValueError(f"{self.a2ats_codebook_path}: {exc} (model {model_key[0]})") from None
+        self.is_batchable = True   # A2ATSCache.merge: mlx-lm's BatchGenerator batches the requests
 
 
 def main(argv=None) -> int:
-    import mlx_lm.server as mlx_server
-
-    from a2ats_ref.runtime.codebook import Codebook, CodebookError
-    from a2ats_ref.runtime.generate import _config
-
     argv = list(sys.argv[1:] if argv is None else argv)
     ours = _a2ats_parser()
     if "-h" in argv or "--help" in argv:
@@ -123,7 +108,7 @@ def main(argv=None) -> int:
         except CodebookError as exc:
             raise ValueError(f"--codebook: {exc}") from None
         config = _config(args, codebook)
-        provider = _provider_class()
+        provider = A2ATSModelProvider
         made = []
 
         def make_provider(cli_args):

@@ -44,12 +44,10 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-import warnings
 from functools import lru_cache
 from typing import NamedTuple
 
 import mlx.core as mx
-import numpy as np
 
 #: threads per block of the select kernel (one block per row: the radix select needs the whole row's scores)
 SELECT_THREADS = 1024

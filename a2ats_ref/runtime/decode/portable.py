@@ -45,7 +45,10 @@ Three selection methods (``method=``): "host" (NumPy, exact top-k with the oracl
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
+import os
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -91,8 +94,6 @@ def tune_allocator() -> bool:
     """
     global _allocator_tuned
     if _allocator_tuned is None:
-        import ctypes
-        import ctypes.util
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -105,8 +106,6 @@ def tune_allocator() -> bool:
 
 def allocator_tuning_wanted(arg: bool | None = None) -> bool:
     """The library default for tune_allocator: the argument if given, else $A2ATS_TUNE_ALLOCATOR (default on)."""
-    import os
-
     if arg is not None:
         return bool(arg)
     env = os.environ.get(TUNE_ALLOCATOR_ENV, "1").strip().lower()

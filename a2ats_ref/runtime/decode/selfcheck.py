@@ -8,7 +8,6 @@ set exactly, the attention within ``SELF_CHECK_ATTN_REL``. "auto" takes the kern
 from __future__ import annotations
 
 import warnings
-from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
