@@ -232,7 +232,7 @@ def _cache_trim_probe(rng):
 
 
 def _cache_save_probe(rng):
-    from a2ats_conformance.repro import TMP_PLACEHOLDER
+    from a2ats_conformance.diagnosis.repro import TMP_PLACEHOLDER
 
     cfg = _cache_config(rng, w=5, b=300, sinks=2, topk=0.2, scale=0.6)
     path = TMP_PLACEHOLDER + "/profile-cache"

@@ -21,9 +21,9 @@ import tempfile
 
 import numpy as np
 
-from a2ats_conformance.deviations import Decoded, Model, _f, _round
-from a2ats_conformance.diagnose import _ERR, _SKIP, _same, _tie, replay
-from a2ats_conformance.repro import fill_placeholder
+from a2ats_conformance.diagnosis.deviations import Decoded, Model, _f, _round
+from a2ats_conformance.diagnosis.diagnose import _ERR, _SKIP, _same, _tie, replay
+from a2ats_conformance.diagnosis.repro import fill_placeholder
 from a2ats_conformance.harness.tolerances import tolerance
 from a2ats_conformance.catalogue import MECHANISMS, mechanism, record_clauses, records_of
 from a2ats_conformance.catalogue.probes import PROBES, build

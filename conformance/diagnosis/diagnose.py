@@ -17,8 +17,8 @@ import tempfile
 
 import numpy as np
 
-from a2ats_conformance.deviations import DEVIATIONS, Decoded, Deviation, Model
-from a2ats_conformance.repro import fill_placeholder, to_float64 as _up
+from a2ats_conformance.diagnosis.deviations import DEVIATIONS, Decoded, Deviation, Model
+from a2ats_conformance.diagnosis.repro import fill_placeholder, to_float64 as _up
 from a2ats_conformance.harness.tolerances import tie_margin, tolerance
 
 __all__ = ["diagnose", "help_lines", "replay"]
@@ -273,7 +273,7 @@ def explain_failure(item, ctx, exc, guard=None) -> None:
     """After a failed test: search revealing examples, diagnose every failing example, and add the
     ``help:`` lines to the failure message and ``likely_causes`` / ``revealing`` to the counterexample.
     ``guard()``: a context manager around each revealing try that calls the IUT (the per-example hang limit)."""
-    from a2ats_conformance import reveal
+    from a2ats_conformance.diagnosis import reveal
     from a2ats_conformance.harness.pytest_helpers import ConformanceFailure
 
     minimal = list(ctx.failures)

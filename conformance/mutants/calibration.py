@@ -164,7 +164,7 @@ class QueryMomentBBfloat16(Mutant):
     expected_cause = "b-low-precision"
 
     def query_moment(self, queries, *, b, inv_freqs, traditional, **kw):
-        from a2ats_conformance.deviations import _round
+        from a2ats_conformance.diagnosis.deviations import _round
 
         # the reference rotates by b; rotating the queries by bf16(b) - b first makes that bf16(b) in all
         shift = float(_round(b, "bfloat16")) - b

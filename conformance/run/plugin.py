@@ -317,7 +317,7 @@ def pytest_runtest_call(item):
     finally:
         h.inner_test = inner
     if outcome.excinfo is not None and ctx.failures:   # diagnosis: only ever after a failure
-        from a2ats_conformance.diagnose import explain_failure
+        from a2ats_conformance.diagnosis.diagnose import explain_failure
 
         try:   # diagnosis calls the IUT again (revealing search): each of those examples gets the same hang limit
             explain_failure(item, ctx, outcome.excinfo[1], guard=lambda: time_limit(limit, dump))
