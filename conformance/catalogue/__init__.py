@@ -22,9 +22,11 @@ record of a single-mechanism probe does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
-from a2ats_conformance.diagnosis.deviations import by_id
+from a2ats_conformance.diagnosis.deviations import Model, by_id
 from a2ats_conformance.catalogue import variants as V
+from a2ats_conformance.harness.adapter import FUNCTION_NAMES
 
 __all__ = ["Mechanism", "Record", "MECHANISMS", "RECORDS", "records_of", "mechanism", "mutant"]
 
@@ -372,7 +374,7 @@ def mutant(r: Record):
     """A port with exactly this record's variant: its a2ats_conformance.mutants class when it has one (imports
     MLX), else the model as a float64 adapter (deviations.DeviantAdapter's construction)."""
     if r.mutant is not None:
-        from a2ats_conformance import mutants as M
+        from a2ats_conformance import mutants as M  # deferred: needs MLX, which the catalogue runs without
 
         for group in ("MUTANTS", "COVERAGE_MUTANTS", "GAP_MUTANTS"):
             cls = getattr(M, group).get(r.mutant)
@@ -384,10 +386,6 @@ def mutant(r: Record):
 
 def model_adapter(model_cls):
     """An adapter whose callables are ``model_cls()``'s (the faithful model with None), in float64."""
-    from types import SimpleNamespace
-
-    from a2ats_conformance.harness.adapter import FUNCTION_NAMES
-    from a2ats_conformance.diagnosis.deviations import Model
 
     m = (model_cls or Model)()
     ns = SimpleNamespace(name=f"model {type(m).__name__}", version="model", dtypes=("float64",))

@@ -34,7 +34,7 @@ class Mutant(ReferenceAdapter):
 
 def _rows(cache, x):
     """A protocol array as the wrapped A2ATSCache's (B, ...) mx array."""
-    import mlx.core as mx
+    import mlx.core as mx  # deferred: mlx loads after a2ats_ref, which the reference adapter imports first
 
     return mx.array(x) if getattr(cache, "batched", False) else mx.array(x)[None]
 

@@ -4,6 +4,9 @@ builds it."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import mlx.core as mx
 import numpy as np
 
 from a2ats_spec import oracle as _o
@@ -26,8 +29,6 @@ class _ForgetfulCache(ReferenceCache):
         return got
 
     def append(self, keys_post, values):
-        import mlx.core as mx
-
         if not self._drift:
             return super().append(keys_post, values)
         prev = self.offset
@@ -71,8 +72,6 @@ class BatchRowsReadRowZero(Mutant):
 
 
 def _bf16_positions(p):
-    import mlx.core as mx
-
     return np.array(mx.array(np.asarray(p, np.float32)).astype(mx.bfloat16).astype(mx.float32))
 
 
@@ -231,9 +230,7 @@ class _SaveDropsParamCache(ReferenceCache):
     param = ""
 
     def load(self, path):
-        import dataclasses
-
-        from a2ats_ref.runtime.cache import A2ATSConfig
+        from a2ats_ref.runtime.cache import A2ATSConfig  # deferred: needs mlx-lm, unlike function mutants
 
         r = super().load(path)
         r._c.config = dataclasses.replace(r._c.config, **{self.param: getattr(A2ATSConfig(), self.param)})
@@ -275,8 +272,7 @@ class _PrefillRowZeroCache(_SameClassOnLoad, ReferenceCache):
     def prefill(self, q_post):
         if not self.batched:
             return super().prefill(q_post)
-        import mlx.core as mx
-        from mlx_lm.models.base import scaled_dot_product_attention
+        from mlx_lm.models.base import scaled_dot_product_attention  # deferred: needs mlx-lm, unlike function mutants
 
         k, v = self._c.keys_and_values()
         k, v = mx.broadcast_to(k[:1], k.shape), mx.broadcast_to(v[:1], v.shape)
@@ -298,8 +294,6 @@ class _SaveRowZeroCache(_SameClassOnLoad, ReferenceCache):
     keys[0], as a port written for batch one does); the batch-of-one cache is right."""
 
     def load(self, path):
-        import mlx.core as mx
-
         r = super().load(path)
         if self.batched and r.offset:
             r._c.state = tuple(mx.broadcast_to(a[:1], a.shape) for a in r._c.state)
@@ -489,8 +483,6 @@ class _Float16LutOperandCache(_SameClassOnLoad, ReferenceCache):
     float16 codewords: near ties are ranked wrongly."""
 
     def __init__(self, config, _cache=None):
-        import mlx.core as mx
-
         super().__init__(config, _cache)
         cb = self._c.codebook
         cb.__dict__["CT"] = cb.CT.astype(mx.float16)   # the cached_property's slot: every decode reads it

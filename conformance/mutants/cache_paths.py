@@ -5,10 +5,16 @@ replaced for the length of a call."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
 from a2ats_conformance.adapters.reference import ReferenceCache
 from a2ats_conformance.mutants.base import Mutant, _SameClassOnLoad
+
+from a2ats_ref import prefill as _prefill
+from a2ats_ref.eq16_z_transform import assign_z_unchecked
+from a2ats_ref.rope import applied_cos_sin, rotate_by_tables
+from a2ats_ref.runtime.decode import dispatch, portable as fd
 
 
 class _HostPathHeadZeroCache(_SameClassOnLoad, ReferenceCache):
@@ -16,10 +22,6 @@ class _HostPathHeadZeroCache(_SameClassOnLoad, ReferenceCache):
     ranks tokens with the group's first head's LUT row: the union degenerates to one head's top-k."""
 
     def decode(self, q_post):
-        import mlx.core as mx
-        from a2ats_ref.runtime.decode import portable as fd
-        from a2ats_ref.runtime.decode import dispatch
-
         original, auto = fd._select_host, dispatch.auto_method
 
         def first_head_only(lut, codes, **kw):
@@ -79,9 +81,7 @@ class _PatchedCache(_SameClassOnLoad, ReferenceCache):
 def _fast_rope_codes(bug):
     """assign_codes whose fast_rope branch (the model's own RoPE) is ``bug(k_post, positions, d, traditional,
     fast_rope) -> k_pre``; the inv_freqs branch is left as it is."""
-    import mlx.core as mx
-    from a2ats_ref.runtime import cache as _cache
-    from a2ats_ref.eq16_z_transform import assign_z_unchecked
+    from a2ats_ref.runtime import cache as _cache  # deferred: needs mlx-lm, unlike function mutants
 
     original = _cache.assign_codes
 
@@ -95,15 +95,13 @@ def _fast_rope_codes(bug):
 
 
 def _undo_tables(k, positions, d, traditional, fast_rope):
-    from a2ats_ref.rope import applied_cos_sin, rotate_by_tables
-
     c, s = applied_cos_sin(positions, d, traditional, fast_rope)
     return rotate_by_tables(k, c, s, traditional, -1.0)
 
 
 class _CodesPostRopeCache(_PatchedCache):
     def patches(self):
-        from a2ats_ref.runtime import cache as _cache
+        from a2ats_ref.runtime import cache as _cache  # deferred: needs mlx-lm, unlike function mutants
         return [(_cache, "assign_codes", _fast_rope_codes(lambda k, p, d, t, fr: k))]
 
 
@@ -118,7 +116,7 @@ class FastRopeCodesPostRope(Mutant):
 
 class _BatchFirstPositionCache(_PatchedCache):
     def patches(self):
-        from a2ats_ref.runtime import cache as _cache
+        from a2ats_ref.runtime import cache as _cache  # deferred: needs mlx-lm, unlike function mutants
 
         def first_only(k, p, d, t, fr):
             start = p.start if isinstance(p, range) else int(p.reshape(-1)[0].item())
@@ -137,7 +135,7 @@ class FastRopeBatchFirstPosition(Mutant):
 
 class _TraditionalIgnoredCache(_PatchedCache):
     def patches(self):
-        from a2ats_ref.runtime import cache as _cache
+        from a2ats_ref.runtime import cache as _cache  # deferred: needs mlx-lm, unlike function mutants
         return [(_cache, "assign_codes", _fast_rope_codes(lambda k, p, d, t, fr: _undo_tables(k, p, d, False, fr)))]
 
 
@@ -152,8 +150,7 @@ class FastRopeTraditionalIgnored(Mutant):
 
 class _Bf16PositionsFastRopeCache(_PatchedCache):
     def patches(self):
-        import mlx.core as mx
-        from a2ats_ref.runtime import cache as _cache
+        from a2ats_ref.runtime import cache as _cache  # deferred: needs mlx-lm, unlike function mutants
 
         def rounded(k, p, d, t, fr):
             pos = mx.arange(p.start, p.stop) if isinstance(p, range) else p
@@ -174,9 +171,7 @@ class _QueryAngleNextCache(_PatchedCache):
     """The query's angle table is read at offset, one past the query's own position offset - 1."""
 
     def patches(self):
-        import mlx.core as mx
-        from a2ats_ref.runtime import cache as _cache
-        from a2ats_ref.rope import applied_cos_sin
+        from a2ats_ref.runtime import cache as _cache  # deferred: needs mlx-lm, unlike function mutants
 
         def query_angle(c):
             if c.fast_rope is None:
@@ -200,10 +195,6 @@ class _OneTiedTooFewCache(_PatchedCache):
     head of each group; the tie of the others stays right)."""
 
     def patches(self):
-        import mlx.core as mx
-        from a2ats_ref.runtime.decode import dispatch
-        from a2ats_ref.runtime.decode import portable as fd
-
         original, auto = fd._select_host, dispatch.auto_method
 
         def one_too_few(lut, codes, *, BH, G, K, kk, c0, c1, bucket):
@@ -238,8 +229,6 @@ class _HostPrefillStartAlignedCache(_PatchedCache):
     right only for a first chunk (Tq = Tk)."""
 
     def patches(self):
-        from a2ats_ref import prefill as _prefill
-
         original = _prefill.causal_attention_host
 
         def start_aligned(queries, keys, values, *, scale):

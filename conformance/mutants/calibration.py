@@ -9,8 +9,12 @@ import math
 import numpy as np
 
 from a2ats_spec import oracle as _o
+from a2ats_spec.oracle import code_dtype
 
+from a2ats_conformance.diagnosis.deviations import _round
 from a2ats_conformance.mutants.base import Mutant, _np
+
+from a2ats_ref.eq17_kmeans import _fix_empty
 
 
 class LTransposed(Mutant):
@@ -164,8 +168,6 @@ class QueryMomentBBfloat16(Mutant):
     expected_cause = "b-low-precision"
 
     def query_moment(self, queries, *, b, inv_freqs, traditional, **kw):
-        from a2ats_conformance.diagnosis.deviations import _round
-
         # the reference rotates by b; rotating the queries by bf16(b) - b first makes that bf16(b) in all
         shift = float(_round(b, "bfloat16")) - b
         q = np.asarray(queries)
@@ -251,9 +253,6 @@ class KmeansFirstBlockBias(Mutant):
     gap = "test_eq17_kmeans.py::test_lloyd_step_matches_oracle"
 
     def lloyd_step(self, z, C):
-        from a2ats_ref.eq17_kmeans import _fix_empty
-        from a2ats_spec.oracle import code_dtype
-
         z64, C64 = _np(z), _np(C)
         if z64.shape[0] <= _KMEANS_BLOCK:
             return self._ref.lloyd_step(z, C)

@@ -3,9 +3,12 @@ GQA grouping of calibration's collection attention."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
 from a2ats_conformance.mutants.base import Mutant, _np
+
+from a2ats_ref.calibration.collect import causal_attention
 
 
 class PrefillPositiveAxes(Mutant):
@@ -32,9 +35,6 @@ class CollectionStridedGroups(Mutant):
     gap = "test_prefill_codes.py::test_collection_attention_matches_oracle"
 
     def collection_attention(self, q, k, v, *, scale=None):
-        import mlx.core as mx
-        from a2ats_ref.calibration.collect import causal_attention
-
         q = np.asarray(q, np.float32)
         n_q, n_kv = q.shape[-3], np.shape(k)[-3]
         G = n_q // n_kv
