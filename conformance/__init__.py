@@ -3,9 +3,9 @@
 Run it with ``a2ats-conformance`` (``run/cli.py``). An implementation under test is wrapped in an adapter
 (``harness/adapter.py``, README-ADAPTER.md); properties live in ``properties/test_*.py``, each citing its spec
 clauses with ``@pytest.mark.clause``; ``harness/tolerances.py`` is the one tolerance table of the project;
-``mutants.py`` holds the mutant ports the suite must reject; ``vectors/`` writes and grades golden vectors;
-``report/`` writes the reports; ``diagnose.py``, ``deviations.py``, ``reveal.py`` and ``repro.py`` tell a port
-why it failed.
+``mutants/`` holds the mutant ports the suite must reject, by clause area; ``vectors/`` writes and grades golden
+vectors; ``report/`` writes the reports; ``diagnosis/`` (known deviations, diagnosis, revealing examples, repro)
+tells a port why it failed.
 
 The suite checks float32 arithmetic (SPEC, Conventions: Precision on GPUs), so importing it asks MLX for full
 float32 matmuls (MLX_ENABLE_TF32=0) unless the variable is set: MLX reads it once, at the process's first

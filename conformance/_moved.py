@@ -25,6 +25,10 @@ MOVED = {
     "a2ats_conformance.watchdog": "a2ats_conformance.run.watchdog",
     "a2ats_conformance.plugin": "a2ats_conformance.run.plugin",
     "a2ats_conformance.xfails": "a2ats_conformance.run.xfails",
+    "a2ats_conformance.diagnose": "a2ats_conformance.diagnosis.diagnose",
+    "a2ats_conformance.deviations": "a2ats_conformance.diagnosis.deviations",
+    "a2ats_conformance.reveal": "a2ats_conformance.diagnosis.reveal",
+    "a2ats_conformance.repro": "a2ats_conformance.diagnosis.repro",
 }
 
 install = alias_finder(MOVED)

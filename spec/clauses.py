@@ -9,6 +9,7 @@ checked against.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import re
 import unicodedata
@@ -113,7 +114,6 @@ def get(clause_id: str) -> Clause:
         return CLAUSES[clause_id]
     except KeyError:
         pass
-    import difflib
     close = difflib.get_close_matches(str(clause_id), CLAUSES, n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
     raise KeyError(f"unknown clause ID {clause_id!r}.{hint} Clause IDs are defined only as "

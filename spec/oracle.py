@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import json
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -1114,7 +1115,5 @@ class OracleCache:
 
 
 def _npz(path: Any) -> str:
-    import os
-
     p = os.fspath(path)
     return p if p.endswith(".npz") else p + ".npz"

@@ -20,11 +20,20 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import warnings
 import zlib
+from importlib.metadata import version
 
 import a2ats_ref  # noqa: F401  (first: it loads the fast BLAS, which must happen before mlx is imported)
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+
+from a2ats_ref.calibration.collect import causal_attention
+from a2ats_ref.codes import code_dtype
+from a2ats_ref.rope import rope_inv_freqs
+from a2ats_ref.runtime.decode.dispatch import decode_step_fast
+from a2ats_ref.runtime.decode.portable import prepare_codebook
 
 from a2ats_conformance.harness.adapter import FUNCTION_NAMES
 
@@ -89,7 +98,6 @@ def wrap(fn, adapter):
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
         return f"{version('a2ats-ref')} (mlx {mx.__version__})"
     except Exception:  # noqa: BLE001 - metadata is optional in a source checkout
         return f"source (mlx {mx.__version__})"
@@ -116,7 +124,6 @@ class ReferenceAdapter:
 
     def collection_attention(self, q, k, v, *, scale=None):
         """PREFILL: calibration's collection attention (a2ats_ref.calibration.collect.causal_attention), (B, n_q, Tq, d)."""
-        from a2ats_ref.calibration.collect import causal_attention
 
         if np.ndim(q) != 4 or np.ndim(k) != 4 or np.ndim(v) != 4:
             raise ValueError("collection_attention: expected q (B, n_q, Tq, d), k (B, n_kv, Tk, d), v (B, n_kv, Tk, dv), "
@@ -137,9 +144,6 @@ class SortFreeReference(ReferenceAdapter):
 
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
                     scale=None, return_mask=False):
-        from a2ats_ref.runtime.decode.portable import prepare_codebook
-        from a2ats_ref.runtime.decode.dispatch import decode_step_fast
-
         if np.ndim(q_post) != 2 or np.ndim(k_post) != 3:
             raise ValueError(f"{self.name}: decode_step takes one sequence, q_post (n_q, d) and k_post (n_kv, T, d)")
         bf16 = self.input_dtype == "bfloat16"
@@ -166,10 +170,7 @@ def rope_form(config: dict) -> str:
 def _rope_module(config: dict):
     """The rope module of a model whose RoPE is the config's: nn.RoPE when inv_freqs are a base's (as every
     default-RoPE model has), else a Llama3RoPE holding the config's frequencies (mx.fast.rope's freqs form)."""
-    import mlx.nn as nn
-    from mlx_lm.models.rope_utils import Llama3RoPE
-
-    from a2ats_ref.rope import rope_inv_freqs
+    from mlx_lm.models.rope_utils import Llama3RoPE  # deferred: needs mlx-lm, unlike function calls
 
     d, trad = int(config["head_dim"]), bool(config["traditional"])
     inv = np.asarray(config["inv_freqs"], np.float64)
@@ -205,9 +206,8 @@ class _OneLayerModel:
 
 
 def _build_cache(config: dict):
-    import warnings
-
-    from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig, LayerCodebook, make_a2ats_cache
+    from a2ats_ref.runtime.cache import (A2ATSCache, A2ATSConfig,  # deferred: needs mlx-lm, unlike function calls
+                                         LayerCodebook, make_a2ats_cache)
 
     Cz, L = (mx.array(np.asarray(config[k], np.float32)) for k in ("Cz", "L"))
     cfg = A2ATSConfig(w=config["w"], b=config["b"], sinks=config["sinks"], topk=config["topk"])
@@ -222,9 +222,9 @@ def _build_cache(config: dict):
 
 def _attention_hook():
     """mlx-lm's attention function as a model module binds it once a2ats_ref.runtime.hook.enable_a2ats has run."""
-    from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.base import scaled_dot_product_attention  # deferred: needs mlx-lm, unlike function calls
 
-    from a2ats_ref.runtime.hook import _make_dispatcher
+    from a2ats_ref.runtime.hook import _make_dispatcher  # deferred: needs mlx-lm, unlike function calls
 
     global _HOOKED
     if _HOOKED is None:
@@ -284,7 +284,6 @@ class ReferenceCache:
 
     def codes(self):
         if self.offset == 0:
-            from a2ats_ref.codes import code_dtype
             shape = self._empty_rows() + (self.config["n_kv_heads"], 0)
             return np.zeros(shape, code_dtype(np.asarray(self.config["Cz"]).shape[1]))
         return self._out(self._c.codes_view())
@@ -300,13 +299,13 @@ class ReferenceCache:
         return self._out(k), self._out(v)
 
     def save(self, path: str) -> None:
-        from a2ats_ref.files.cache import save_a2ats_cache
+        from a2ats_ref.files.cache import save_a2ats_cache  # deferred: needs mlx-lm, unlike function calls
 
         save_a2ats_cache(_st(path), [self._c])
 
     def load(self, path: str) -> "ReferenceCache":
-        from a2ats_ref.runtime.cache import A2ATSCodebook
-        from a2ats_ref.files.cache import load_a2ats_cache
+        from a2ats_ref.runtime.cache import A2ATSCodebook  # deferred: needs mlx-lm, unlike function calls
+        from a2ats_ref.files.cache import load_a2ats_cache  # deferred: needs mlx-lm, unlike function calls
 
         lc = self._c.codebook
         cb = A2ATSCodebook(lc.Cz[None], lc.L[None])

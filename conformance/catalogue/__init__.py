@@ -1,5 +1,5 @@
 """The catalogue of known variants, one record per (mechanism, variant): the port profile's vocabulary
-(profile.py) and the index of the deviation library (deviations.py) and the mutants (mutants.py).
+(profile.py) and the index of the deviation library (diagnosis/deviations.py) and the mutants (mutants/).
 
 A *mechanism* is one choice a port makes (its RoPE layout, its far logits, its never-empty rule, ...). Each
 has a probe (probes.py): an input built so that only that mechanism, among those the probe lists, decides the
@@ -7,11 +7,11 @@ output. A *record* is one variant of a mechanism:
 
 - ``description``: what the variant computes, as a port author reads it;
 - ``model``: the ``deviations.Model`` subclass that implements it (None: the spec's own variant);
-- ``mutant``: the class of conformance/mutants.py that implements it in the MLX reference (None where only the
+- ``mutant``: the class of a2ats_conformance.mutants that implements it in the MLX reference (None where only the
   model implements it: ``catalogue.mutant(record)`` then builds a port from the model);
 - ``source``: where it comes from (a SPEC.md clause, the authors' file:line, a port);
 - ``kind``: ``spec`` (the spec's variant), ``authors`` (a choice of the authors' code that SPEC.md departs
-  from), ``shipped`` / ``coverage`` / ``gap`` (the mutant's group in mutants.py), ``library`` (model only);
+  from), ``shipped`` / ``coverage`` / ``gap`` (the mutant's group in mutants/), ``library`` (model only);
 - ``clauses``: the clauses a port with this variant fails.
 
 ``catch_all`` marks a record that stands for "the output departs from the spec's by more than the tolerance,
@@ -22,9 +22,11 @@ record of a single-mechanism probe does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
-from a2ats_conformance.deviations import by_id
+from a2ats_conformance.diagnosis.deviations import Model, by_id
 from a2ats_conformance.catalogue import variants as V
+from a2ats_conformance.harness.adapter import FUNCTION_NAMES
 
 __all__ = ["Mechanism", "Record", "MECHANISMS", "RECORDS", "records_of", "mechanism", "mutant"]
 
@@ -369,10 +371,10 @@ def record_clauses(r: Record) -> tuple:
 
 
 def mutant(r: Record):
-    """A port with exactly this record's variant: its mutants.py class when it has one (imports MLX), else the
-    model as a float64 adapter (deviations.DeviantAdapter's construction)."""
+    """A port with exactly this record's variant: its a2ats_conformance.mutants class when it has one (imports
+    MLX), else the model as a float64 adapter (deviations.DeviantAdapter's construction)."""
     if r.mutant is not None:
-        from a2ats_conformance import mutants as M
+        from a2ats_conformance import mutants as M  # deferred: needs MLX, which the catalogue runs without
 
         for group in ("MUTANTS", "COVERAGE_MUTANTS", "GAP_MUTANTS"):
             cls = getattr(M, group).get(r.mutant)
@@ -384,10 +386,6 @@ def mutant(r: Record):
 
 def model_adapter(model_cls):
     """An adapter whose callables are ``model_cls()``'s (the faithful model with None), in float64."""
-    from types import SimpleNamespace
-
-    from a2ats_conformance.harness.adapter import FUNCTION_NAMES
-    from a2ats_conformance.deviations import Model
 
     m = (model_cls or Model)()
     ns = SimpleNamespace(name=f"model {type(m).__name__}", version="model", dtypes=("float64",))

@@ -16,6 +16,9 @@ import numpy as np
 
 from a2ats_spec import oracle
 
+from a2ats_conformance.catalogue import MECHANISMS
+from a2ats_conformance.diagnosis.repro import TMP_PLACEHOLDER
+
 __all__ = ["Probe", "PROBES"]
 
 D, NQ, NKV = 8, 4, 2
@@ -232,8 +235,6 @@ def _cache_trim_probe(rng):
 
 
 def _cache_save_probe(rng):
-    from a2ats_conformance.repro import TMP_PLACEHOLDER
-
     cfg = _cache_config(rng, w=5, b=300, sinks=2, topk=0.2, scale=0.6)
     path = TMP_PLACEHOLDER + "/profile-cache"
     T = 24
@@ -280,8 +281,6 @@ _BUILDERS = {
 
 
 def build(probe_id: str) -> Probe:
-    from a2ats_conformance.catalogue import MECHANISMS
-
     spec = _BUILDERS[probe_id](np.random.default_rng(sorted(_BUILDERS).index(probe_id) + 11))
     mechs = tuple(m.id for m in MECHANISMS if m.probe == probe_id)
     return Probe(id=probe_id, mechanisms=mechs, **spec)

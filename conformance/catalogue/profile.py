@@ -21,9 +21,11 @@ import tempfile
 
 import numpy as np
 
-from a2ats_conformance.deviations import Decoded, Model, _f, _round
-from a2ats_conformance.diagnose import _ERR, _SKIP, _same, _tie, replay
-from a2ats_conformance.repro import fill_placeholder
+from a2ats_conformance.diagnosis.deviations import Decoded, Model, _f, _round
+from a2ats_conformance.diagnosis.diagnose import _ERR, _SKIP, _same, _tie, replay
+from a2ats_conformance.diagnosis.repro import fill_placeholder
+from a2ats_conformance.harness.adapter import NotImplementedByIUT, has_function
+from a2ats_conformance.harness.capabilities import FULL
 from a2ats_conformance.harness.tolerances import tolerance
 from a2ats_conformance.catalogue import MECHANISMS, mechanism, record_clauses, records_of
 from a2ats_conformance.catalogue.probes import PROBES, build
@@ -54,7 +56,6 @@ def _first_line(exc: BaseException) -> str:
 def _run_port(adapter, calls, tmp: str, guard=contextlib.nullcontext):
     """The port's outputs on ``calls`` (index -> output) and its errors (index -> first line). Each call runs
     under ``guard()`` (the plugin's per-call time limit: a hang ends the profile, not the run's verdicts)."""
-    from a2ats_conformance.harness.adapter import NotImplementedByIUT
 
     outs, errs, caches = {}, {}, []
     for idx, (name, args, kwargs) in enumerate(calls):
@@ -206,9 +207,6 @@ def _evidence(run: _Probe, mech: str, picked: dict, bases) -> str:
 def profile(adapter, *, dtype: str, caps: dict | None = None, guard=contextlib.nullcontext) -> list[dict]:
     """One row per mechanism (catalogue order): {mechanism, title, variant, kind, status, description, evidence,
     probe, clauses}. status: spec | variant | unknown | not-implemented | not-applicable | not-run | error."""
-    from a2ats_conformance.harness.adapter import NotImplementedByIUT, has_function
-
-    from a2ats_conformance.harness.capabilities import FULL
 
     caps = caps or FULL
     found: dict = {}

@@ -12,7 +12,7 @@ import numpy as np
 
 from a2ats_spec import oracle as _o
 
-from a2ats_conformance.deviations import Model, _f
+from a2ats_conformance.diagnosis.deviations import Model, _f
 
 __all__ = ["AuthorsAbsoluteStop", "AuthorsEmptyZero", "AuthorsInt64Codes", "AuthorsNothingSelected", "FarQueryWithoutRb", "NoSelection",
            "PlainAssignment", "QueryOwnPositionKeyUnrotated"]

@@ -38,11 +38,13 @@ module itself as the adapter.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from types import ModuleType
 
 from a2ats_conformance.harness.capabilities import AdapterError
 from a2ats_conformance.harness.capabilities import read as read_capabilities
+from a2ats_conformance.harness.tolerances import TOLERANCES
 
 __all__ = [
     "CLAUSE_FUNCTIONS",
@@ -157,8 +159,6 @@ def load_adapter(spec: str | None = None):
 
 
 def check_metadata(adapter, spec: str = "<adapter>") -> None:
-    from a2ats_conformance.harness.tolerances import TOLERANCES
-
     name = getattr(adapter, "name", None)
     if not isinstance(name, str) or not name:
         raise AdapterError(f"IUT {spec!r}: adapter needs a non-empty str attribute 'name', got {name!r}")
@@ -194,7 +194,6 @@ def get_function(adapter, name: str):
 def get_member(cache, name: str):
     """``getattr(cache, name)``, but a member the cache does not define raises NotImplementedByIUT (the
     clause reads not-implemented), while an AttributeError raised inside a defined member stays a failure."""
-    import inspect
 
     try:
         return getattr(cache, name)

@@ -3,7 +3,7 @@ path, and, for RET-SELECT / RET-DECODE / CACHE-DECODE, each wrong token with its
 
 A failure reads like a compiler diagnostic: ``error[CLAUSE]: what failed``, then ``note:`` the RoPE
 layout, b, w, sinks, the positions and the dtype of the failing call (``not an input`` where the
-check has none), then ``help:`` the likely cause (diagnose.py).
+check has none), then ``help:`` the likely cause (diagnosis/diagnose.py).
 """
 
 from __future__ import annotations

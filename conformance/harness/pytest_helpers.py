@@ -5,7 +5,7 @@ A property receives the ``ctx`` fixture.  ``ctx.call(name, ...)`` calls the IUT 
 the dtype under test and logged), ``ctx.oracle(name, ...)`` calls ``a2ats_spec.oracle`` on the same
 rounded values in float64, ``ctx.check(name, ..., clause=...)`` does both and compares.  Every
 failure names the clause, the IUT, the dtype, the shapes, the drawn case (seeds included) and a
-``python -m a2ats_conformance.repro FILE.npz`` command that replays the failing calls.
+``python -m a2ats_conformance.diagnosis.repro FILE.npz`` command that replays the failing calls.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def default_counterexample_dir() -> str:
 def repro_command(path: str, iut_spec: str, prefix: str = "") -> str:
     """One copy-paste line: this interpreter (full path), the saved example, the IUT and the import path
     the IUT needs from a plain shell (``prefix``, e.g. ``PYTHONPATH=/where/the/adapter/lives``)."""
-    line = f"{shlex.quote(sys.executable)} -m a2ats_conformance.repro {shlex.quote(path)} --iut {shlex.quote(iut_spec)}"
+    line = (f"{shlex.quote(sys.executable)} -m a2ats_conformance.diagnosis.repro {shlex.quote(path)} "
+            f"--iut {shlex.quote(iut_spec)}")
     return f"{prefix} {line}" if prefix else line
 
 
@@ -154,7 +155,7 @@ class Context:
         self.outputs: dict[int, object] = {}   # index into calls -> the IUT's result of that call
         self.notes: dict = {}
         self.last_failure: dict | None = None
-        #: failing examples seen by this test, (clause, calls, outputs, notes): what diagnose.py reads
+        #: failing examples seen by this test, (clause, calls, outputs, notes): what diagnosis/diagnose.py reads
         self.failures: list[dict] = []
         self.max_position: int | None = None   # largest RoPE position (or b) of the example; see positions_up_to
         try:   # every property announces its dtype (bfloat16 arrays arrive as float32)

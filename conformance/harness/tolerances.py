@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 __all__ = ["Tol", "TOLERANCES", "OVERRIDES", "tolerance", "tie_margin", "dtype_name", "DTYPES", "TABLE_MAX_POSITION",
            "POSITION_CLAUSES", "angle_error", "ROTATION_HEADROOM", "pair_angle_errors", "query_moment_atol"]
 
@@ -110,8 +112,6 @@ def dtype_name(dtype) -> str:
         name = getattr(dtype, "name", None)
         if name is None:
             try:
-                import numpy as np
-
                 name = np.dtype(dtype).name
             except TypeError as exc:
                 raise ValueError(f"dtype: expected a dtype name such as 'float32', got {dtype!r}") from exc
@@ -172,7 +172,6 @@ def pair_angle_errors(b: float, inv_freqs) -> "np.ndarray":
     """Bound (radians) on the float32 rounding of each pair's angle b·ω_k: |b|·ω_k·2^-24 (one rounding of the
     product; ω_k are inputs, so the port and the oracle share them). Pairs with ω_k near 1 carry angle_error(b);
     the slow pairs carry almost none, which is why the bound is per pair and not one number per example."""
-    import numpy as np
 
     return abs(float(b)) * np.abs(np.asarray(inv_freqs, dtype=np.float64)) * 2.0 ** -24
 
@@ -186,7 +185,6 @@ def query_moment_atol(expected, *, b: float, inv_freqs, traditional: bool, ridge
     moves every entry by at most |Hn_ij|·||E||_F / ||Hn||_F more. So the bound grows linearly with b, with the
     pair frequencies, and with the entries of H, which for few pooled queries reach head_dim (one query: H =
     d·x xᵀ/|x|²). Times ROTATION_HEADROOM; add it to the table's EQ-10 atol."""
-    import numpy as np
 
     H = np.asarray(expected, dtype=np.float64)
     d = H.shape[-1]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from a2ats_conformance.harness import capabilities
 from a2ats_conformance.harness import hypothesis_helpers as hh
 from a2ats_conformance.harness.adapter import get_member
-from a2ats_conformance.repro import TMP_PLACEHOLDER
+from a2ats_conformance.diagnosis.repro import TMP_PLACEHOLDER
 from a2ats_conformance.harness.decode_checks import check_decode, check_head_counts
 from a2ats_conformance.harness.tolerances import tolerance
 from a2ats_spec import oracle

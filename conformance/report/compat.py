@@ -86,8 +86,8 @@ def main(argv=None) -> int:
         return 0
     if a.results_dir:
         # deferred: only a page run needs the bench's machine block, which imports MLX
-        from a2ats_ref.bench.cli import machine
-        from a2ats_ref.bench.results_page import check_name, provenance
+        from a2ats_ref.bench.cli import machine  # deferred: needs MLX, which the suite runs without
+        from a2ats_ref.bench.results_page import check_name, provenance  # deferred: needs MLX, unlike the suite
 
         try:
             check_name("conformance-" + a.name)
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
 
 def write_page(res: dict, folder, name: str) -> dict:
     """The conformance results page (a2ats_ref.results_page) for a run's rows."""
-    from a2ats_ref.bench import results_page   # deferred with the page run's other imports
+    from a2ats_ref.bench import results_page  # deferred: needs MLX, which the suite runs without
 
     body = ("Every implementation the project checks in its own tests, each row's command run in a fresh process "
             "and its JSON report read (VECTORS, ANSWERS and R.json stand for temporary paths); wall s is the "

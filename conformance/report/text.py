@@ -191,7 +191,7 @@ def evidence_text(report: dict) -> str:
 
 
 def _cause_lines(c: dict) -> list[str]:
-    """A failing clause's likely causes (diagnose.py), one line each, for the terminal table."""
+    """A failing clause's likely causes (diagnosis/diagnose.py), one line each, for the terminal table."""
     cex = c.get("counterexample") or {}
     if c["status"] != "fail" or "likely_causes" not in cex:
         return []
@@ -237,7 +237,7 @@ def _md_failure(cid: str, c: dict) -> list[str]:
         out.append(f"- what: {cex['message'].splitlines()[0]}")
     if cex.get("case"):
         out.append(f"- case: `{json.dumps(cex['case'], default=str)[:400]}`")
-    for lc in cex.get("likely_causes") or ():   # diagnose.py: {"id", "cause", "matched", "of"}
+    for lc in cex.get("likely_causes") or ():   # diagnosis/diagnose.py: {"id", "cause", "matched", "of"}
         label = "likely cause" if not isinstance(lc, dict) or lc.get("likely", True) else "also consistent"
         out.append(f"- {label}: {lc.get('cause')}, matches {lc.get('matched')}/{lc.get('of')} failing examples "
                    f"[`{lc.get('id')}`]" if isinstance(lc, dict) else f"- likely cause: {lc}")

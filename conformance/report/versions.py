@@ -5,6 +5,10 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
+from a2ats_spec.clauses import SPEC_VERSION, spec_sha256
+
 __all__ = ["REPORT_FORMAT", "suite_version", "versions", "version_text"]
 
 REPORT_FORMAT = "a2ats-conformance-report/1"
@@ -12,7 +16,6 @@ REPORT_FORMAT = "a2ats-conformance-report/1"
 
 def suite_version() -> str:
     """The installed a2ats-ref package's version (the suite ships in it); 'source' in a bare checkout."""
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("a2ats-ref")
@@ -21,9 +24,7 @@ def suite_version() -> str:
 
 
 def versions() -> dict:
-    from a2ats_spec.clauses import SPEC_VERSION, spec_sha256
-
-    from a2ats_conformance.vectors.manifest import FORMAT
+    from a2ats_conformance.vectors.manifest import FORMAT  # deferred: the vectors package imports hypothesis
 
     return {"package": suite_version(), "spec": SPEC_VERSION, "spec_sha256": spec_sha256(),
             "vectors_format": FORMAT, "report_format": REPORT_FORMAT}

@@ -14,12 +14,15 @@
 from __future__ import annotations
 
 import datetime
+from importlib.metadata import PackageNotFoundError, version
 import json
 import os
 import platform
 import re
 import xml.etree.ElementTree as ET
 from importlib import resources
+
+from a2ats_spec.clauses import CLAUSES, SPEC_VERSION, spec_sha256
 
 from a2ats_conformance.report.versions import REPORT_FORMAT, suite_version
 
@@ -45,14 +48,14 @@ def _cpu_name() -> str:
 def _mlx() -> tuple[str | None, dict]:
     """MLX's version and default device, or (None, the CPU) when MLX is not installed or cannot be imported
     (a port's environment, grading answers): the suite runs without the reference's framework."""
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         v = version("mlx")
     except PackageNotFoundError:
         return None, {"type": "cpu", "name": _cpu_name()}
     try:
-        import a2ats_ref  # noqa: F401  (first: it loads the fast BLAS, which must happen before mlx is imported)
+        # first: a2ats_ref loads the fast BLAS, which must happen before mlx is imported
+        import a2ats_ref  # noqa: F401  # deferred: with mlx below
         import mlx.core as mx  # deferred: MLX is the reference's framework, an optional extra of the suite
     except ImportError:
         return None, {"type": "cpu", "name": _cpu_name()}
@@ -77,7 +80,6 @@ def platform_info() -> dict:
 
 def metadata(*, dtype: str, profile: str, seed, started_at: float) -> dict:
     """The report fields that say what was checked, against which spec, where and when."""
-    from a2ats_spec.clauses import SPEC_VERSION, spec_sha256
 
     return {"report_format": REPORT_FORMAT,
             "spec": {"version": SPEC_VERSION, "sha256": spec_sha256()},
@@ -155,7 +157,6 @@ def validate_report(report: dict) -> None:
 
 def junit_xml(report: dict) -> bytes:
     """JUnit XML (UTF-8 bytes): one <testsuite> with one <testcase> per clause, in SPEC.md order."""
-    from a2ats_spec.clauses import CLAUSES
 
     impl = report.get("implementation", {})
     clauses = report["clauses"]

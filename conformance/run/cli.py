@@ -17,6 +17,7 @@ not be loaded, 3 when the run did not complete (interrupted).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -24,9 +25,17 @@ import tempfile
 import time
 import warnings
 
+from a2ats_spec.clauses import clause_ids
+
+from a2ats_conformance.harness.adapter import DEFAULT_IUT, AdapterError, resolve_iut_spec
+from a2ats_conformance.harness.pytest_helpers import default_counterexample_dir
 from a2ats_conformance.report.text import (  # noqa: F401  (run_suite and main report through these)
     FAILING, STATUS_ORDER, check_report_paths, clause_table, evidence_text, exit_status, format_markdown, format_table, port_profile_rows, profile_lines, run_line, same_report_paths, verdict_line, write_reports)
+from a2ats_conformance.report.versions import version_text
+from a2ats_conformance.report.writer import metadata
+from a2ats_conformance.run.supervisor import import_prefix, run_child_suite
 from a2ats_conformance.run.watchdog import DEFAULT_EXAMPLE_TIMEOUT_S
+from a2ats_conformance.run.xfails import XfailWarning, read_xfails
 
 __all__ = ["main", "run_suite", "clause_table", "SUITE_DIR"]
 
@@ -70,11 +79,6 @@ def run_id() -> str:
 
 def run_suite(a) -> dict:
     """Run the suite in a supervised child process (supervisor.py); returns the report dict."""
-    from a2ats_spec.clauses import clause_ids
-
-    from a2ats_conformance.harness.adapter import resolve_iut_spec
-    from a2ats_conformance.harness.pytest_helpers import default_counterexample_dir
-    from a2ats_conformance.run.supervisor import import_prefix, run_child_suite
 
     t0 = time.time()
     spec = resolve_iut_spec(a.iut)
@@ -92,7 +96,6 @@ def run_suite(a) -> dict:
     clauses = clause_table(raw["tests"], ids)
     summary = {s: sum(1 for c in clauses.values() if c["status"] == s) for s in STATUS_ORDER}
     failed = sorted(c for c, v in clauses.items() if v["status"] in FAILING)
-    from a2ats_conformance.report.writer import metadata
 
     impl = raw["implementation"] or {"iut": spec}
     return {
@@ -155,22 +158,18 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "vectors":
-        from a2ats_conformance.vectors.export import main as vectors_main
+        from a2ats_conformance.vectors.export import main as vectors_main  # deferred: imports hypothesis
 
         return vectors_main(argv[1:])
     if argv and argv[0] == "grade":
-        from a2ats_conformance.vectors.grade import main as grade_main
+        from a2ats_conformance.vectors.grade import main as grade_main  # deferred: imports hypothesis
 
         return grade_main(argv[1:])
     if "--version" in argv:
-        from a2ats_conformance.report.versions import version_text
-
         print(version_text())
         return 0
     a = _parser().parse_args(argv)
     if a.xfails:
-        from a2ats_conformance.run.xfails import read_xfails
-
         try:
             read_xfails(a.xfails)
         except ValueError as exc:
@@ -181,7 +180,6 @@ def main(argv=None) -> int:
         print(f"a2ats-conformance: {problem}", file=sys.stderr)
         return 2
     report = run_suite(a)
-    from a2ats_conformance.run.xfails import XfailWarning
 
     for w in report["xfail_warnings"]:
         warnings.warn(f"known-deviations file {a.xfails}: {w}", XfailWarning, stacklevel=1)
@@ -203,7 +201,6 @@ def check_clauses(clauses) -> str:
     """'' or which --clauses entries are not clause IDs of the spec (a typo would run nothing and exit 0)."""
     if clauses is None:
         return ""
-    from a2ats_spec.clauses import clause_ids
 
     asked = [c.strip() for c in clauses.split(",")]
     unknown = [c for c in asked if c not in clause_ids()]
@@ -216,9 +213,6 @@ def check_clauses(clauses) -> str:
 def check_iut(iut) -> str:
     """'' or why the IUT cannot be run; finds its module without importing it (the child process does that:
     an adapter that exits or hangs on import must not take this process with it)."""
-    import importlib.util
-
-    from a2ats_conformance.harness.adapter import DEFAULT_IUT, AdapterError, resolve_iut_spec
 
     try:
         spec = resolve_iut_spec(iut)
@@ -242,8 +236,6 @@ def check_iut(iut) -> str:
 
 
 def _importable(module: str) -> bool:
-    import importlib.util
-
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
 import os
@@ -22,6 +23,8 @@ import time
 import pytest
 from a2ats_conformance.harness.suite_env import exchange as _exchange_jit_modules
 from hypothesis import HealthCheck, Phase, settings
+
+from a2ats_spec.clauses import clause_ids
 
 from a2ats_conformance.harness import capabilities as _caps
 from a2ats_conformance.run import xfails as _xf
@@ -54,8 +57,6 @@ _ACTIVE: list = []  # configs of the running sessions (a stack: the suite can be
 
 
 def known_clauses() -> list[str]:
-    from a2ats_spec.clauses import clause_ids
-
     return clause_ids()
 
 
@@ -130,7 +131,6 @@ def _emit(config, event: str, **data) -> None:
 
 def _load_iut(config, spec):
     """Load the adapter; an exit, a hang or an error while importing it is reported, not run past."""
-    import faulthandler
 
     limit = max(120.0, 4 * (config.getoption("a2ats_example_timeout") or 0))
     faulthandler.dump_traceback_later(limit, exit=True)
@@ -317,7 +317,7 @@ def pytest_runtest_call(item):
     finally:
         h.inner_test = inner
     if outcome.excinfo is not None and ctx.failures:   # diagnosis: only ever after a failure
-        from a2ats_conformance.diagnose import explain_failure
+        from a2ats_conformance.diagnosis.diagnose import explain_failure  # deferred: only after a failure
 
         try:   # diagnosis calls the IUT again (revealing search): each of those examples gets the same hang limit
             explain_failure(item, ctx, outcome.excinfo[1], guard=lambda: time_limit(limit, dump))
@@ -438,7 +438,7 @@ def _port_profile(config, st) -> list | None:
     A failure or a hang in it becomes one row saying so: the clause verdicts never depend on it."""
     if config.getoption("a2ats_no_port_profile"):
         return None
-    from a2ats_conformance.catalogue.profile import profile
+    from a2ats_conformance.catalogue.profile import profile  # deferred: loads the diagnosis
 
     # each IUT call gets --a2ats-example-timeout (at most PROFILE_LIMIT_S); a native hang ends the process after
     # it (faulthandler, via the dump file): the tests are done and reported, so only the profile is lost

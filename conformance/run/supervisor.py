@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 from a2ats_conformance.run.watchdog import dump_path
 
@@ -122,7 +123,6 @@ def _term_as_interrupt(signum, frame):
 
 def run_child_suite(pytest_args: list[str], *, quiet: bool) -> Outcome:
     """Run ``python -m pytest *pytest_args`` in a supervised child (see the module docstring)."""
-    import threading
 
     if threading.current_thread() is not threading.main_thread():
         return _run_child_suite(pytest_args, quiet=quiet)

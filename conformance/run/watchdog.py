@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import hashlib
 import os
 import signal
 import threading
@@ -33,7 +34,6 @@ class ExampleTimeout(BaseException):
 
 def dump_path(run_dir: str | None, nodeid: str) -> str | None:
     """Where a native hang of test ``nodeid`` leaves its stack (the supervisor looks there)."""
-    import hashlib
 
     if not run_dir:
         return None

@@ -13,7 +13,11 @@ import tempfile
 
 import numpy as np
 
+from a2ats_conformance.harness import capabilities
+from a2ats_conformance.harness.adapter import has_function
+from a2ats_conformance.harness.pytest_helpers import to_numpy
 from a2ats_conformance.vectors.manifest import GRADED_DTYPES, answer_names, load_vectors
+from a2ats_conformance.vectors.traces import run_trace
 from a2ats_conformance.vectors.untrusted import UntrustedFileError, inside, regular_file, safe_name
 
 
@@ -102,9 +106,6 @@ def write_answers(vectors_dir: str, adapter, answers_dir: str, dtype: str | None
     Errors a call raises are written as ``<case>.error`` (ValueError) and otherwise left out, so the grader
     sees them as wrong answers, not as crashes of this writer.
     """
-    from a2ats_conformance.harness.adapter import has_function
-    from a2ats_conformance.harness.pytest_helpers import to_numpy
-    from a2ats_conformance.vectors.traces import run_trace
 
     manifest, dec = load_vectors(vectors_dir)
     dtype = dtype or adapter.dtypes[0]
@@ -114,7 +115,6 @@ def write_answers(vectors_dir: str, adapter, answers_dir: str, dtype: str | None
         adapter.input_dtype = dtype
     except AttributeError:
         pass
-    from a2ats_conformance.harness import capabilities
 
     caps = capabilities.read(adapter)
     owned = answer_names(manifest)

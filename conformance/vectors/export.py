@@ -17,16 +17,22 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
+import time
 
 import numpy as np
 
 from a2ats_spec import oracle as O
+from a2ats_spec.clauses import SPEC_VERSION, spec_sha256
 
+from a2ats_conformance.harness.adapter import load_adapter
 from a2ats_conformance.harness.hypothesis_helpers import spd_matrix
 from a2ats_conformance.harness.tolerances import DTYPES, tie_margin, tolerance
+from a2ats_conformance.vectors.grade import grade_cases
 from a2ats_conformance.vectors.manifest import (  # noqa: F401  (the format, one import away)
     _COMPARE, FORMAT, FORMAT_V1, GRADED_DTYPES, ManifestError, load_vectors)
 from a2ats_conformance.vectors.answers import _make_folder, _writing, write_answers  # noqa: F401  (write_answers: documented here)
+from a2ats_conformance.vectors.traces import build_traces
 from a2ats_conformance.vectors.untrusted import (UntrustedFileError, check_npy_header, inside, read_json,
                                                  read_npy, regular_file, safe_name)
 
@@ -563,13 +569,11 @@ def _stateless(B: _Builder, size: str) -> None:
 
 def generate(seed: int = 0, size: str = "small") -> tuple[dict, dict]:
     """-> (manifest, arrays). Deterministic for a given seed and size."""
-    from a2ats_spec.clauses import SPEC_VERSION, spec_sha256
 
     if size not in SIZES:
         raise ValueError(f"size: expected one of {SIZES}, got {size!r}")
     B = _Builder(seed)
     _stateless(B, size)
-    from a2ats_conformance.vectors.traces import build_traces
 
     build_traces(B, size)
     manifest = {"format": FORMAT, "spec_version": SPEC_VERSION, "spec_sha256": spec_sha256(), "seed": seed,
@@ -604,9 +608,6 @@ def write_vectors(out_dir: str, seed: int = 0, size: str = "small") -> str:
 
 def check_vectors(vectors_dir: str, adapter, dtype: str | None = None) -> list[tuple[str, str]]:
     """Answer with ``adapter`` and grade; -> [(case id, problem)] for every case that is not a pass."""
-    import tempfile
-
-    from a2ats_conformance.vectors.grade import grade_cases
 
     with tempfile.TemporaryDirectory() as tmp:
         write_answers(vectors_dir, adapter, tmp, dtype)
@@ -643,7 +644,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
-    import time
 
     t0 = time.perf_counter()
     try:
@@ -655,8 +655,6 @@ def main(argv=None) -> int:
     print(f"wrote {len(manifest['calls'])} calls and {len(manifest['traces'])} traces ({a.size}) to {path} "
           f"in {time.perf_counter() - t0:.1f} s")
     if a.check:
-        from a2ats_conformance.harness.adapter import load_adapter
-
         t1 = time.perf_counter()
         ad = load_adapter(a.check)
         problems = check_vectors(a.out, ad, a.dtype)

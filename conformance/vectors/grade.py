@@ -20,10 +20,21 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
+from a2ats_spec import oracle
+from a2ats_spec.clauses import clause_ids
+
+from a2ats_conformance.harness.adapter import load_adapter
+from a2ats_conformance.harness.capabilities import AdapterError, read, unmet
+from a2ats_conformance.report.text import (STATUS_ORDER, clause_table, check_report_paths, exit_status, format_table,
+                                           same_report_paths, write_reports)
+from a2ats_conformance.report.writer import metadata
+from a2ats_conformance.vectors.answers import write_answers
 from a2ats_conformance.vectors.manifest import GRADED_DTYPES, answer_names, load_vectors
+from a2ats_conformance.vectors.traces import grade_trace
 from a2ats_conformance.vectors.untrusted import UntrustedFileError, read_json, read_npy, regular_file
 
 #: Exit status of a grading run in which no case was answered (every clause not-implemented or not-applicable):
@@ -168,7 +179,6 @@ class _Grader:
 
     def _over_mask(self, case, ent, got, tol) -> str | None:
         """decode_step's output: exact attention (RET-ATTN) over the mask the port answered, from the call's inputs."""
-        from a2ats_spec import oracle
 
         args = [self.dec(a) for a in case["args"][:3]]
         q, k, v = (a.astype(np.float64) for a in args)
@@ -192,9 +202,6 @@ def _no_follow(path, flags):
 
 def answers_capabilities(meta: dict):
     """The capabilities answers.json declares (absent: full support), validated like an adapter's."""
-    from types import SimpleNamespace
-
-    from a2ats_conformance.harness.capabilities import AdapterError, read
 
     try:
         return read(SimpleNamespace(capabilities=meta.get("capabilities")), "answers.json")
@@ -203,8 +210,6 @@ def answers_capabilities(meta: dict):
 
 
 def _not_applicable(case: dict, caps) -> str | None:
-    from a2ats_conformance.harness.capabilities import unmet
-
     reasons = unmet(caps, case.get("requires", {}))
     return f"not-applicable: needs {', '.join(reasons)}" if reasons else None
 
@@ -231,7 +236,6 @@ def _guarded(what: str, fn, *args):
 
 def grade_cases(vectors_dir: str, answers_dir: str, dtype: str | None = None, *, loaded=None) -> dict:
     """-> {case id: {"clauses", "outcome" (passed|fail|not-implemented|not-applicable), "message", ...}}."""
-    from a2ats_conformance.vectors.traces import grade_trace
 
     manifest, dec = loaded or load_vectors(vectors_dir)
     meta = read_answers_meta(answers_dir)
@@ -273,11 +277,6 @@ def _settle_missing(results: dict, group: dict, fail_msg: str, not_impl: str) ->
 
 def grade(vectors_dir: str, answers_dir: str, dtype: str | None = None) -> dict:
     """The report of a grading run: the same shape as a Hypothesis run's (cli.run_suite)."""
-    from a2ats_spec.clauses import clause_ids
-
-    from a2ats_conformance.report.text import STATUS_ORDER, clause_table
-
-    from a2ats_conformance.report.writer import metadata
 
     t0 = time.time()
     loaded = load_vectors(vectors_dir)
@@ -346,7 +345,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
-    from a2ats_conformance.report.text import check_report_paths, exit_status, format_table, same_report_paths, write_reports
 
     problem = same_report_paths(a)
     if problem:
@@ -358,9 +356,6 @@ def main(argv=None) -> int:
         if problem:
             raise ValueError(problem)
         if a.iut:
-            from a2ats_conformance.harness.adapter import load_adapter
-            from a2ats_conformance.vectors.answers import write_answers
-
             write_answers(a.vectors_dir, load_adapter(a.iut), a.answers_dir, a.dtype)
         report = grade(a.vectors_dir, a.answers_dir, a.dtype)
     except ValueError as exc:   # AnswersError, ManifestError, vectors of another format

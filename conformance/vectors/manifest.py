@@ -11,6 +11,8 @@ import numpy as np
 
 from a2ats_spec import oracle as O
 
+from a2ats_conformance.harness.adapter import FUNCTION_NAMES
+from a2ats_conformance.harness.capabilities import CHOICES
 from a2ats_conformance.harness.tolerances import DTYPES
 from a2ats_conformance.vectors.untrusted import (UntrustedFileError, check_npy_header, inside, read_json, read_npy,
                                                  regular_file, safe_name)
@@ -37,8 +39,6 @@ class _Check:
     file names, and every array path (inside the folder, a regular file, a .npy header its length matches)."""
 
     def __init__(self, vectors_dir: str, path: str, check_arrays: bool):
-        from a2ats_conformance.harness.adapter import FUNCTION_NAMES
-
         self.dir, self.path, self.check_arrays = vectors_dir, path, check_arrays
         self.functions = set(FUNCTION_NAMES)
         self.ids: set[str] = set()
@@ -96,8 +96,6 @@ class _Check:
                 self.fail(where, f"tolerance[{d!r}] is {str(pair)[:60]}, expected [rtol, atol], finite and >= 0")
 
     def requires(self, case, where, *, optional=True):
-        from a2ats_conformance.harness.capabilities import CHOICES
-
         req = self.typed(case, "requires", dict, where, optional=optional) or {}
         for k, want in req.items():
             vals = [want] if isinstance(want, str) else want

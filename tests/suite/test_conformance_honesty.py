@@ -14,7 +14,7 @@ import pytest
 from a2ats_conformance.harness.adapter import NotImplementedByIUT
 from a2ats_conformance.run.cli import main
 from a2ats_conformance.run.plugin import _not_implemented
-from a2ats_conformance.repro import TMP_PLACEHOLDER, load_counterexample
+from a2ats_conformance.diagnosis.repro import TMP_PLACEHOLDER, load_counterexample
 
 
 def _run(tmp_path, *args):
@@ -208,7 +208,7 @@ def test_cache_replay_is_self_contained_and_names_the_divergence(tmp_path, capsy
     cex = rep["clauses"]["CACHE-SAVE"]["counterexample"]
     assert code == 1 and rep["clauses"]["CACHE-SAVE"]["status"] == "fail"
     # one copy-paste line: this interpreter, the file, the IUT, and the import path it needs
-    assert cex["repro"] == (f"PYTHONPATH={ROOT} {sys.executable} -m a2ats_conformance.repro {cex['npz']} "
+    assert cex["repro"] == (f"PYTHONPATH={ROOT} {sys.executable} -m a2ats_conformance.diagnosis.repro {cex['npz']} "
                             "--iut honesty_adapters.partial_cache:LossyLoad")
     assert cex["repro"] in md
     meta, calls = load_counterexample(cex["npz"])
@@ -223,5 +223,5 @@ def test_repro_requires_the_iut(tmp_path):
     code, rep, _, _ = _cli(tmp_path, "--iut", "a2ats_conformance.mutants:TopkCeil", "--profile", "selftest", "--seed",
                            "0", "-q", "--clauses", "RET-TOPK")
     npz = rep["clauses"]["RET-TOPK"]["counterexample"]["npz"]
-    p = subprocess.run([sys.executable, "-m", "a2ats_conformance.repro", npz], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "a2ats_conformance.diagnosis.repro", npz], capture_output=True, text=True)
     assert p.returncode == 2 and "--iut is required" in p.stderr and "a2ats_conformance.mutants:TopkCeil" in p.stderr

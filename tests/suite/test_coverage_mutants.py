@@ -8,10 +8,11 @@ diagnosis must name the mutant's own deviation.
 
 import pytest
 
-from a2ats_conformance.deviations import by_id
+from a2ats_conformance.diagnosis.deviations import by_id
 from a2ats_conformance.mutants import COVERAGE_MUTANTS, MUTANTS
 
-#: coverage mutant -> the known deviation (conformance/deviations.py) it embodies: its failing clause must name it
+#: coverage mutant -> the known deviation (conformance/diagnosis/deviations.py) it embodies: its failing clause must
+#: name it
 COVERAGE_CAUSES = {
     "Float16Lut": "float16-lut",
     "BatchRowsReadRowZero": "batch-rows-share-row-zero-selection",

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from a2ats_conformance.run.cli import main
-from a2ats_conformance.deviations import DEVIATIONS, DeviantAdapter, Model
-from a2ats_conformance.diagnose import MAX_EXAMPLES, _same, diagnose, replay
+from a2ats_conformance.diagnosis.deviations import DEVIATIONS, DeviantAdapter, Model
+from a2ats_conformance.diagnosis.diagnose import MAX_EXAMPLES, _same, diagnose, replay
 from a2ats_conformance.harness.messages import explain_selection
-from a2ats_conformance.repro import TMP_PLACEHOLDER
+from a2ats_conformance.diagnosis.repro import TMP_PLACEHOLDER
 from a2ats_spec import oracle
 from a2ats_spec.oracle_cache import OracleCache
 
@@ -221,7 +221,7 @@ def test_selection_messages_name_the_role_of_each_wrong_token():
 def test_a_cause_explaining_under_half_the_examples_is_also_consistent_not_likely():
     """One example the deviation explains, two no known deviation explains: it is listed, with its count, as
     "also consistent", never as the likely cause."""
-    from a2ats_conformance.diagnose import help_lines
+    from a2ats_conformance.diagnosis.diagnose import help_lines
 
     dev = next(d for d in DEVIATIONS if d.id == "b-missing")
     shown = [(c, replay(dev.models()[0], c)) for c, f in zip(PROBES, FAITHFUL)]

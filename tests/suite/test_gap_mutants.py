@@ -7,7 +7,7 @@ run."""
 
 import pytest
 
-from a2ats_conformance.deviations import by_id
+from a2ats_conformance.diagnosis.deviations import by_id
 from a2ats_conformance.mutants import COVERAGE_MUTANTS, GAP_MUTANTS, MUTANTS
 
 

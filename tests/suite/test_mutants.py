@@ -6,10 +6,10 @@ import sys
 import pytest
 
 from a2ats_conformance.mutants import MUTANTS
-from a2ats_conformance.deviations import by_id
-from a2ats_conformance.repro import load_counterexample, replay
+from a2ats_conformance.diagnosis.deviations import by_id
+from a2ats_conformance.diagnosis.repro import load_counterexample, replay
 
-#: mutant -> the known deviation (conformance/deviations.py) it embodies: its failing clause must name it
+#: mutant -> the known deviation (conformance/diagnosis/deviations.py) it embodies: its failing clause must name it
 MUTANT_CAUSES = {
     "DerotateScalarOffset": "derotate-scalar-position",
     "WindowOffByOne": "window-inclusive",
@@ -36,7 +36,8 @@ def test_every_mutant_has_a_known_cause():
 def test_mutant_is_rejected_on_its_clause(rejected_on_its_clause, capsys, name):
     verdict = rejected_on_its_clause(name)     # rejected, and the failing assertion names the clause
     cex = verdict["counterexample"]
-    assert cex["repro"].startswith(f"{sys.executable} -m a2ats_conformance.repro ")   # copy-paste: full interpreter path
+    # copy-paste: full interpreter path
+    assert cex["repro"].startswith(f"{sys.executable} -m a2ats_conformance.diagnosis.repro ")
     meta, calls = load_counterexample(cex["npz"])              # reloads without pickle
     assert calls and meta["dtype"] == "float32" and meta["iut"].endswith(name)
     rows = replay(cex["npz"], meta["iut"], out=io.StringIO())   # the repro command's engine runs

@@ -28,7 +28,7 @@ def _rows(adapter, dtype=None):
 
 @pytest.mark.parametrize("rec", _NAMED, ids=lambda r: r.key)
 def test_each_record_is_named_by_its_own_probe(rec):
-    """The record's mutant (its mutants.py class where it has one, else its model as a port) reads the
+    """The record's mutant (its a2ats_conformance.mutants class where it has one, else its model as a port) reads the
     record's variant on the record's mechanism."""
     row = _rows(K.mutant(rec))[rec.mechanism]
     assert row["variant"] == rec.variant, (rec.key, row["evidence"])
@@ -36,7 +36,7 @@ def test_each_record_is_named_by_its_own_probe(rec):
 
 @pytest.mark.parametrize("rec", [r for r in _NAMED if r.mutant], ids=lambda r: r.key)
 def test_each_record_model_is_named_too(rec):
-    """Where the record names a mutants.py class, its model is named by the same probe as well."""
+    """Where the record names an a2ats_conformance.mutants class, its model is named by the same probe as well."""
     row = _rows(K.model_adapter(rec.model))[rec.mechanism]
     assert row["variant"] == rec.variant, (rec.key, row["evidence"])
 

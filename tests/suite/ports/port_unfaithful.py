@@ -3,10 +3,10 @@ shown to name each bug.
 
 Each class is a port a real author could write: the NumPy port (conformance/examples/numpy_port.py) with one
 callable (and, where the bug lives there, its cache) replaced. They are written here, independently of the
-shipped mutants (conformance/mutants.py) and of the diagnosis library (conformance/deviations.py). Each says
-which clause must fail (``clause``), which test of it (``test``, optional) and which known deviation the
-report must name as the likely cause (``deviation``, an id of conformance/deviations.py; None where the
-library has no entry, e.g. for k-means). tests/suite/ports/test_ports.py runs the suite on each.
+shipped mutants (conformance/mutants/) and of the diagnosis library (conformance/diagnosis/deviations.py).
+Each says which clause must fail (``clause``), which test of it (``test``, optional) and which known deviation
+the report must name as the likely cause (``deviation``, an id of conformance/diagnosis/deviations.py; None
+where the library has no entry, e.g. for k-means). tests/suite/ports/test_ports.py runs the suite on each.
 """
 
 from __future__ import annotations

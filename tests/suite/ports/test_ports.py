@@ -1,5 +1,6 @@
 """Faithful ports pass the ci profile with 0 fail; each unfaithful port fails the clause
-its bug violates and the report names the bug as the likely cause (deviation id of conformance/deviations.py)."""
+its bug violates and the report names the bug as the likely cause (deviation id of
+conformance/diagnosis/deviations.py)."""
 
 import numpy as np
 import pytest

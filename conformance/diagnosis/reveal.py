@@ -22,6 +22,7 @@ import contextlib
 import inspect
 
 from hypothesis import HealthCheck, Phase, given, seed, settings
+import numpy as np
 
 from a2ats_spec import oracle
 
@@ -37,8 +38,6 @@ WANT = 5
 
 
 def _elements(calls) -> int:
-    import numpy as np
-
     return sum(np.size(x) for _, args, kw in calls for x in (*args, *kw.values()) if isinstance(x, np.ndarray))
 
 

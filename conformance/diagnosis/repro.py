@@ -1,4 +1,4 @@
-"""Replay a saved counterexample: ``python -m a2ats_conformance.repro FILE.npz --iut module:object``.
+"""Replay a saved counterexample: ``python -m a2ats_conformance.diagnosis.repro FILE.npz --iut module:object``.
 
 The .npz (written by the suite on failure, loaded with allow_pickle=False) holds the IUT calls of the
 failing example.  Each call is re-run on the IUT and on the float64 oracle and the difference is printed,
@@ -202,7 +202,7 @@ def _created(name, results, caches):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m a2ats_conformance.repro", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m a2ats_conformance.diagnosis.repro", description=__doc__.splitlines()[0])
     p.add_argument("npz")
     p.add_argument("--iut", default=None, help="adapter module:object to replay on (required)")
     a = p.parse_args(argv)

@@ -17,8 +17,10 @@ import tempfile
 
 import numpy as np
 
-from a2ats_conformance.deviations import DEVIATIONS, Decoded, Deviation, Model
-from a2ats_conformance.repro import fill_placeholder, to_float64 as _up
+from a2ats_conformance.diagnosis.deviations import DEVIATIONS, Decoded, Deviation, Model
+from a2ats_conformance.diagnosis.repro import fill_placeholder, to_float64 as _up
+from a2ats_conformance.harness.adapter import CLAUSE_FUNCTIONS
+from a2ats_conformance.harness.pytest_helpers import ConformanceFailure, _jsonable
 from a2ats_conformance.harness.tolerances import tie_margin, tolerance
 
 __all__ = ["diagnose", "help_lines", "replay"]
@@ -148,7 +150,6 @@ def _same(port, other, rtol: float, atol: float):
 def _call_tolerance(dtype: str, clause: str, name: str) -> tuple[float, float]:
     """The loosest of the failing clause's tolerance and that of the clause defining the call: a port's
     output is compared here with a float64 model, as the call's own clause compares it."""
-    from a2ats_conformance.harness.adapter import CLAUSE_FUNCTIONS
 
     method = name.split(".", 1)[1] if name.startswith("cache") and "." in name else None
     own = [c for c, fs in CLAUSE_FUNCTIONS.items() if name in fs]
@@ -264,8 +265,7 @@ def help_lines(causes: list[dict], n_examples: int, limit: int = 3) -> list[str]
 
 
 def _jsonable_notes(notes: dict) -> dict:
-    from a2ats_conformance.harness.pytest_helpers import _jsonable   # plain JSON types: the report crosses pytest-xdist workers
-
+    # plain JSON types: the report crosses pytest-xdist workers
     return {k: _jsonable(v.tolist() if isinstance(v, np.ndarray) else v) for k, v in notes.items()}
 
 
@@ -273,8 +273,7 @@ def explain_failure(item, ctx, exc, guard=None) -> None:
     """After a failed test: search revealing examples, diagnose every failing example, and add the
     ``help:`` lines to the failure message and ``likely_causes`` / ``revealing`` to the counterexample.
     ``guard()``: a context manager around each revealing try that calls the IUT (the per-example hang limit)."""
-    from a2ats_conformance import reveal
-    from a2ats_conformance.harness.pytest_helpers import ConformanceFailure
+    from a2ats_conformance.diagnosis import reveal  # deferred: imports hypothesis, needed only after a failure
 
     minimal = list(ctx.failures)
     last = ctx.last_failure

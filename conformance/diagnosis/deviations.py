@@ -22,6 +22,8 @@ import numpy as np
 from a2ats_spec import oracle as _o
 from a2ats_spec.oracle_cache import OracleCache
 
+from a2ats_conformance.harness.adapter import FUNCTION_NAMES
+
 __all__ = ["Deviation", "DEVIATIONS", "DeviantAdapter", "Model", "ModelCache", "by_id"]
 
 _ROPE = {"rope_apply", "rope_invert"}
@@ -983,7 +985,6 @@ class DeviantAdapter:
         dev = deviation or self.deviation
         model = Model() if dev is None else by_id(dev).models()[self.variant if variant is None else variant]
         self.name = f"deviant model ({dev or 'faithful'})"
-        from a2ats_conformance.harness.adapter import FUNCTION_NAMES
 
         for fn in FUNCTION_NAMES + ("make_cache",):
             setattr(self, fn, getattr(model, fn))
