@@ -165,13 +165,13 @@ def test_make_cache_validates_a_codebook_with_metadata():
 
 def test_validation_is_remembered_per_model(monkeypatch):
     """A cache per prompt must not re-hash every weight of a large model each time."""
-    import a2ats_ref.files.gguf as gguf
+    import a2ats_ref.runtime.codebook as codebook_module
 
     a = tiny_llama(seed=0)
     cb = _codebook_for(a)
     calls = []
-    orig = gguf.weights_fingerprint
-    monkeypatch.setattr(gguf, "weights_fingerprint", lambda m: (calls.append(1), orig(m))[1])
+    orig = codebook_module.weights_fingerprint
+    monkeypatch.setattr(codebook_module, "weights_fingerprint", lambda m: (calls.append(1), orig(m))[1])
     for _ in range(3):
         make_a2ats_cache(a, cb, A2ATSConfig())
     assert len(calls) == 1
