@@ -21,7 +21,7 @@ record of a single-mechanism probe does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 from a2ats_conformance.diagnosis.deviations import Model, by_id
@@ -98,6 +98,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
     Mechanism("cache-values", "values the cache attends", "cache-values", ("CACHE-DECODE", "CACHE-DENSE-EQUIV")),
     Mechanism("selection-signal", "selection signal", "decode-select", _CACHE_DECODE + ("RET-LUT",)),
     Mechanism("decode-far-logits", "decode's LUT query", "decode-lut", _CACHE_DECODE + ("RET-LUT",)),
+    Mechanism("lut-precision", "precision of the ranked LUT scores", "decode-lut-ties", _CACHE_DECODE + ("RET-LUT",)),
     Mechanism("kmeans-init", "k-means++ inverse CDF", "kmeans-init", ("EQ-17-INIT",)),
     Mechanism("empty-cluster", "k-means empty-cluster rule", "lloyd", ("EQ-17-STEP", "EQ-17-FIT")),
     Mechanism("kmeans-stop", "k-means stop rule", "kmeans", ("EQ-17-FIT",)),
@@ -309,6 +310,13 @@ RECORDS: tuple[Record, ...] = (
            deviation="far-logits-at-own-position"),
     Record("decode-far-logits", "query-own-position", "LUT of q_post (q·R_i·k, no de-rotation, no R_b)",
            V.QueryOwnPositionKeyUnrotated, source="port"),
+    Record("lut-precision", "spec", "LUT scores ranked at float32 accuracy or better", source="SPEC RET-LUT",
+           kind="spec"),
+    Record("lut-precision", "float16", "LUT (q_b and C, or its scores) rounded to float16: near ties reorder",
+           _dv("float16-lut", "LutF16"), mutant="Float16Lut", source="port: a half-precision LUT kernel",
+           kind="coverage", deviation="float16-lut"),
+    Record("lut-precision", "bfloat16", "LUT scores rounded to bfloat16: near ties reorder",
+           _dv("float16-lut", "LutBF16"), source="port: a bfloat16 LUT kernel", deviation="float16-lut"),
     # ---- k-means (EQ-17)
     Record("kmeans-init", "spec", "smallest n with cumsum(D²)[n] > u·ΣD²", source="SPEC EQ-17-INIT", kind="spec"),
     Record("kmeans-init", "inclusive", ">= (searchsorted side='left'): u = 0 re-picks a chosen point",

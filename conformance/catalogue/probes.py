@@ -186,6 +186,30 @@ def _decode_lut_probe(rng):
     return dict(calls=calls, clause="RET-DECODE", needs=("decode_step",), max_position=64.0)
 
 
+def _decode_lut_ties_probe(rng):
+    """Near ties that only the LUT's precision decides: per KV group, head A's best token is one and head B's
+    another, by score gaps above float32's tie margin but inside one float16 (call 1) or one bfloat16 step
+    (call 2) of 1.0. A LUT held at that precision ties every candidate in both heads alike, so any tie rule
+    picks one token for the group where the spec picks two."""
+    T, K = 6, 6
+    inv = np.zeros(D // 2)        # identity rotations: q_b is the query, the LUT is q·C
+    q = np.zeros((NQ, D))
+    q[0::2, 0] = q[1::2, 1] = 1.0
+    k_post, v = rng.standard_normal((NKV, T, D)), POOL[:, :T]
+    codes = np.tile(np.arange(T), (NKV, 1)).astype(np.uint8)
+    kw = dict(query_pos=T - 1, b=37, w=1, sinks=0, topk=0.2, inv_freqs=inv, traditional=True, scale=1.0,
+              return_mask=True)
+    calls = []
+    for eps_a, eps_b in (([2.2e-4, 4.4e-4, 0.0], [4.4e-4, 0.0, 2.2e-4]),     # float16 rounds all to 1.0
+                         ([3.5e-3, 0.0], [0.0, 3.5e-3])):                    # bfloat16 does, float16 does not
+        C = np.zeros((NKV, K, D))
+        C[:, :, :2] = 0.25
+        n = len(eps_a)
+        C[:, :n, 0], C[:, :n, 1] = 1.0 + np.array(eps_a), 1.0 + np.array(eps_b)
+        calls.append(("decode_step", (q, k_post, v, codes, C), dict(kw)))
+    return dict(calls=calls, clause="RET-DECODE", needs=("decode_step",))
+
+
 def _kmeans_init_probe(rng):
     z = rng.standard_normal((6, 3))
     calls = [("kmeanspp_init", (z, 3, np.array([0.05, 0.0, 0.7])), {})]   # u = 0: the CDF's boundary
@@ -274,7 +298,8 @@ _BUILDERS = {
     "rope": _rope_probe, "freqs": _freqs_probe, "far": _far_probe, "moment": _moment_probe,
     "assign": _assign_probe, "far-keys": _far_keys_probe, "topk": _topk_probe, "select": _select_probe,
     "decode-values": _decode_values_probe, "decode-attend": _decode_attend_probe, "cache-decode": _cache_decode_probe, "cache-values": _cache_values_probe,
-    "decode-select": _decode_select_probe, "decode-lut": _decode_lut_probe, "kmeans-init": _kmeans_init_probe,
+    "decode-select": _decode_select_probe, "decode-lut": _decode_lut_probe,
+    "decode-lut-ties": _decode_lut_ties_probe, "kmeans-init": _kmeans_init_probe,
     "lloyd": _lloyd_probe, "kmeans": _kmeans_probe, "codes-dtype": _codes_dtype_probe,
     "cache-trim": _cache_trim_probe, "cache-save": _cache_save_probe,
 }
