@@ -88,7 +88,7 @@ def run_suite(a) -> dict:
         ini_path = os.path.join(tmp, "pytest.ini")
         with open(ini_path, "w", encoding="utf-8") as f:
             f.write("[pytest]\n")
-        raw = run_child_suite(_pytest_args(a, ini_path, cex_dir, prefix), quiet=a.quiet)
+        raw = run_child_suite(_pytest_args(a, ini_path, cex_dir, prefix), quiet=a.quiet, workers=a.n or 1)
     ids = clause_ids()
     if a.clauses:
         only = {c.strip() for c in a.clauses.split(",")}

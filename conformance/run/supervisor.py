@@ -49,9 +49,23 @@ def read_stream(path: str) -> list[dict]:
     return events
 
 
-def _child_env() -> dict:
-    """The child imports what this process can: its sys.path (cwd for '') goes first on PYTHONPATH."""
+#: thread-count variables of the BLAS and OpenMP runtimes a port or the oracle may load
+THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+
+
+def worker_threads(workers: int, cpus: int | None = None) -> int:
+    """BLAS threads per worker so that ``workers`` processes share the cores instead of each spreading over all
+    of them (N workers x all-core BLAS oversubscribes the machine N-fold)."""
+    return max(1, (cpus or os.cpu_count() or 1) // max(1, workers))
+
+
+def _child_env(workers: int = 1) -> dict:
+    """The child imports what this process can: its sys.path (cwd for '') goes first on PYTHONPATH. With
+    several workers, each gets its share of the cores for BLAS, unless the user set a thread count."""
     env = dict(os.environ)
+    if workers > 1:
+        for var in THREAD_ENV:
+            env.setdefault(var, str(worker_threads(workers)))
     paths = [os.getcwd() if p == "" else p for p in sys.path if p == "" or os.path.isdir(p)]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
@@ -121,19 +135,20 @@ def _term_as_interrupt(signum, frame):
     raise KeyboardInterrupt   # SIGTERM (a CI job cancelled) is handled like Ctrl-C: reports still written
 
 
-def run_child_suite(pytest_args: list[str], *, quiet: bool) -> Outcome:
-    """Run ``python -m pytest *pytest_args`` in a supervised child (see the module docstring)."""
+def run_child_suite(pytest_args: list[str], *, quiet: bool, workers: int = 1) -> Outcome:
+    """Run ``python -m pytest *pytest_args`` in a supervised child (see the module docstring); ``workers``: the
+    xdist worker count the arguments ask for."""
 
     if threading.current_thread() is not threading.main_thread():
-        return _run_child_suite(pytest_args, quiet=quiet)
+        return _run_child_suite(pytest_args, quiet=quiet, workers=workers)
     old = signal.signal(signal.SIGTERM, _term_as_interrupt)
     try:
-        return _run_child_suite(pytest_args, quiet=quiet)
+        return _run_child_suite(pytest_args, quiet=quiet, workers=workers)
     finally:
         signal.signal(signal.SIGTERM, old)
 
 
-def _run_child_suite(pytest_args: list[str], *, quiet: bool) -> Outcome:
+def _run_child_suite(pytest_args: list[str], *, quiet: bool, workers: int) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="a2ats-run-") as run_dir:
         stream = os.path.join(run_dir, "stream.jsonl")
         skip = os.path.join(run_dir, "done.txt")
@@ -144,7 +159,7 @@ def _run_child_suite(pytest_args: list[str], *, quiet: bool) -> Outcome:
         for _ in range(MAX_RESTARTS + 1):
             with open(skip, "w", encoding="utf-8") as f:
                 f.write("".join(n + "\n" for n in out["done"]))
-            proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], env=_child_env(), start_new_session=True,
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], env=_child_env(workers), start_new_session=True,
                                     stdout=subprocess.DEVNULL if quiet else None, preexec_fn=_default_sigint)
             code, interrupted = _wait(proc)
             events = read_stream(stream)

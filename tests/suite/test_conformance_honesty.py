@@ -225,3 +225,18 @@ def test_repro_requires_the_iut(tmp_path):
     npz = rep["clauses"]["RET-TOPK"]["counterexample"]["npz"]
     p = subprocess.run([sys.executable, "-m", "a2ats_conformance.diagnosis.repro", npz], capture_output=True, text=True)
     assert p.returncode == 2 and "--iut is required" in p.stderr and "a2ats_conformance.mutants:TopkCeil" in p.stderr
+
+
+def test_workers_share_the_cores_for_blas(monkeypatch):
+    """N workers each spreading BLAS over every core oversubscribe the machine N-fold: each gets its share, and
+    a thread count the user set is kept."""
+    from a2ats_conformance.run import supervisor as S
+
+    for var in S.THREAD_ENV:
+        monkeypatch.delenv(var, raising=False)
+    assert all(v not in S._child_env(1) for v in S.THREAD_ENV)
+    env = S._child_env(2)
+    assert {env[v] for v in S.THREAD_ENV} == {str(S.worker_threads(2))}
+    assert S.worker_threads(15, cpus=16) == 1 and S.worker_threads(2, cpus=16) == 8 and S.worker_threads(4, cpus=2) == 1
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
+    assert S._child_env(2)["OPENBLAS_NUM_THREADS"] == "3"
