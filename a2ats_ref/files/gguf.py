@@ -19,12 +19,14 @@ Nothing here downloads: a path that does not exist is an error, never a hub id.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import math
 import mmap
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +36,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from a2ats_ref.files.atomic import load_json
-from a2ats_ref.files.untrusted import check_safetensors
+from a2ats_ref.files.untrusted import check_safetensors, load_safetensors
 
 GGUF_GROUP_SIZE = 32
 
@@ -549,9 +551,36 @@ def load_model(path_or_dir):
     check_model_folder(p)
     from mlx_lm.utils import load   # deferred: it imports transformers, seconds that a GGUF load never needs
 
-    model, tok = load(str(p.resolve()))
+    with _weights_read_checked(p):
+        model, tok = load(str(p.resolve()))
     check_finite_weights(dict(tree_flatten(model.parameters())), p, what="model weight", error=ValueError)
     return model, tok
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _weights_read_checked(folder: Path):
+    """While mlx-lm loads ``folder``, its ``mx.load`` of a safetensors file there is load_safetensors: the
+    header checked and the arrays read through one open file. mlx-lm reads weights by path, so a file swapped
+    in after check_model_folder would otherwise be read unchecked. The lock keeps concurrent loads from
+    restoring each other's loader."""
+    root = folder.resolve()
+    with _LOAD_LOCK:
+        original = mx.load
+
+        def load(file, *args, **kwargs):
+            if (isinstance(file, (str, Path)) and not args and set(kwargs) <= {"format"}
+                    and str(file).endswith(".safetensors") and Path(file).resolve().parent == root):
+                return load_safetensors(file, error=ValueError)[0]
+            return original(file, *args, **kwargs)
+
+        mx.load = load
+        try:
+            yield
+        finally:
+            mx.load = original
 
 
 #: Largest config.json read: real ones are a few kB.
@@ -561,7 +590,8 @@ MAX_CONFIG_BYTES = 1 << 20
 def check_model_folder(folder: Path) -> None:
     """ValueError naming the file, unless ``folder``'s config.json is a bounded JSON object and every
     ``*.safetensors`` in it passes check_safetensors. mlx-lm's loader reads these by path and trusts their
-    headers (a crafted size or span loads the wrong bytes or none), so they are checked before it runs."""
+    headers (a crafted size or span loads the wrong bytes or none), so they are checked before it runs, and
+    read through the checked loader while it runs (_weights_read_checked)."""
     cfg = folder / "config.json"
     size = cfg.stat().st_size
     if size > MAX_CONFIG_BYTES:

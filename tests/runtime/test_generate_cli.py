@@ -224,3 +224,25 @@ def test_console_script_and_help():
     out = subprocess.run([sys.executable, "-m", "a2ats_ref.runtime.generate", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "--codebook" in out.stdout and "--dense" in out.stdout and "`" not in out.stdout
+
+
+def test_a_weight_file_swapped_in_after_the_check_is_never_read_unchecked(files, tmp_path, capsys, monkeypatch):
+    """mlx-lm reads a model folder's weights by path: a crafted file renamed over the checked one between the
+    folder check and mlx-lm's read must still be refused, naming the file."""
+    import shutil
+    from a2ats_ref.files import gguf
+
+    folder = Path(shutil.copytree(files[0], tmp_path / "model"))
+    crafted = Path(shutil.copytree(files[0], tmp_path / "crafted"))
+    _crafted_weights(crafted, "aliased-span")
+    checked = gguf.check_model_folder
+
+    def check_then_swap(p):
+        checked(p)
+        (crafted / "model.safetensors").replace(folder / "model.safetensors")
+
+    monkeypatch.setattr(gguf, "check_model_folder", check_then_swap)
+    original = mx.load
+    rc, out, err = run(["--model", folder, "--dense", "--prompt", "x"], capsys)
+    assert rc == 2 and "model.safetensors" in err and "Traceback" not in err and "Prompt:" not in out, err
+    assert mx.load is original   # the checked loader is in place only while mlx-lm loads
