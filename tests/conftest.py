@@ -5,9 +5,9 @@ import json
 import sys
 from pathlib import Path
 
-# Shared helper modules (test_cache_support, test_calib_tiny, test_codebook_file, gguf_writer) are imported by
+# Shared helper modules (hang_guard, test_cache_support, test_calib_tiny, test_codebook_file, gguf_writer) are imported by
 # name from every folder, and from the children that tests start with this folder list as PYTHONPATH.
-HELPER_DIRS = [str(Path(__file__).parent / sub) for sub in ("runtime", "calibration")]
+HELPER_DIRS = [str(Path(__file__).parent), *(str(Path(__file__).parent / sub) for sub in ("runtime", "calibration"))]
 for _d in HELPER_DIRS:
     if _d not in sys.path:
         sys.path.insert(0, _d)

@@ -25,6 +25,7 @@ from a2ats_ref.files.gguf import weights_fingerprint
 from a2ats_ref.retrieval import decode_step, select_tokens
 from a2ats_spec import oracle
 from test_cache_support import HEAD_DIM, N_KV, N_LAYERS, quiet_codebook, tiny_llama
+from hang_guard import HANG_S
 
 
 def _cache(codebook=None, **cfg) -> A2ATSCache:
@@ -220,7 +221,7 @@ TESTS = str(Path(__file__).parent)
 CHILD_PATH = os.pathsep.join([TESTS, *(str(Path(TESTS) / d) for d in ("runtime", "calibration"))])
 
 
-def _kill_mid_write(script: str, target: Path, timeout: float = 60.0) -> None:
+def _kill_mid_write(script: str, target: Path, timeout: float = HANG_S) -> None:
     """Run `script` in a child; SIGKILL it as soon as it starts writing (target or a temp file beside it changes)."""
     before = target.stat()
     others = set(target.parent.iterdir())
@@ -413,7 +414,7 @@ def test_two_calibrations_to_one_out(tmp_path, capsys):
         err = capsys.readouterr().err
         assert rc == 2 and "is locked" in err and "Traceback" not in err
     finally:
-        assert child.wait(timeout=120) == 0
+        assert child.wait(timeout=HANG_S) == 0
     assert not list(partial.glob("*.tmp"))
 
 

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hang_guard import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -126,7 +127,7 @@ def test_the_real_model_path_runs(tmp_path, monkeypatch):
     assert cmd.startswith(".venv/bin/")
     args = shlex.split(cmd)
     args[0] = str(Path(sys.executable).parent / Path(args[0]).name)   # the .venv this test runs in
-    run = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 0, run.stderr[-3000:]
     monkeypatch.chdir(tmp_path)
     out = []
@@ -155,7 +156,7 @@ def _block_line(prog: str, edits: dict, files) -> list[str]:
 def test_the_readme_generate_line_runs(tiny_files):
     args = _block_line("a2ats-generate", GENERATE_SMALLER, tiny_files)
     args[0] = str(Path(sys.executable).parent / args[0])   # the .venv's entry point
-    run = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(args, capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.search(r"^Generation: \d+ tokens, [\d.]+ tokens-per-sec$", run.stdout, flags=re.M), run.stdout
 

@@ -18,6 +18,7 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 from a2ats_ref import precision, rope
 from a2ats_ref.runtime.cache import A2ATSCache, assign_codes, random_codebook
 from a2ats_ref.eq17_kmeans import _means, kmeans
+from hang_guard import HANG_S
 
 ON_GPU = mx.default_device().type == mx.gpu
 pytestmark = pytest.mark.filterwarnings("ignore:A2ATS is using a RANDOM codebook")
@@ -56,7 +57,7 @@ def test_clause_functions_stay_float32_in_a_tf32_process():
         "print(precision.tf32_active(), np.max(np.abs(got - ex)) / np.max(np.abs(ex)))\n"
     )
     env = dict(os.environ, MLX_ENABLE_TF32="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr
     active, rel = out.stdout.split()
     assert rel and float(rel) < 1e-5, out.stdout

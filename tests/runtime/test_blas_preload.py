@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from hang_guard import HANG_S
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the BLAS preload is Linux-only")
 
@@ -20,7 +21,7 @@ PROBE = (
 def run(code, **env):
     e = {k: v for k, v in os.environ.items() if k != "A2ATS_NO_FAST_BLAS"}
     e.update(env)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=HANG_S)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
@@ -112,7 +113,7 @@ def _limited(code: str, limit: int):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     e = {k: v for k, v in os.environ.items() if k != "A2ATS_NO_FAST_BLAS"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=300,
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=HANG_S,
                           preexec_fn=lower)
 
 

@@ -20,6 +20,7 @@ from a2ats_ref.runtime.codebook import Codebook, CodebookError
 from a2ats_ref.files.atomic import CHECKSUMS_KEY, checksums
 from a2ats_ref.runtime.hook import enable_a2ats
 from test_cache_support import a2ats_caches, quiet_codebook, tiny_llama, tokens
+from hang_guard import HANG_S
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +240,7 @@ except Exception as exc:
 
 def test_a_save_that_cannot_write_names_its_path(tmp_path):
     out = tmp_path / "cb.safetensors"
-    r = subprocess.run([sys.executable, "-c", FULL_DISK_CHILD, str(out)], capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "-c", FULL_DISK_CHILD, str(out)], capture_output=True, text=True, timeout=HANG_S,
                        cwd=Path(__file__).parent)
     line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-2000:]
     assert line.startswith("OSError") and str(out) in line and "is the disk full" in line, line

@@ -20,6 +20,7 @@ from a2ats_ref.runtime import generate as gen
 from a2ats_ref.runtime.cache import A2ATSCache
 from a2ats_ref.runtime.codebook import Codebook
 from test_cache_support import HEAD_DIM, N_HEADS, N_KV, N_LAYERS, VOCAB, tiny_llama
+from hang_guard import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = "the quick brown fox jumps over the lazy dog while a small cat sleeps in the warm sun "
@@ -222,7 +223,7 @@ def test_console_script_and_help():
     for action in parser._actions:
         assert action.help, f"{action.option_strings or action.dest} has no help"
     out = subprocess.run([sys.executable, "-m", "a2ats_ref.runtime.generate", "--help"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=HANG_S)
     assert out.returncode == 0 and "--codebook" in out.stdout and "--dense" in out.stdout and "`" not in out.stdout
 
 

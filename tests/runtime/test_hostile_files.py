@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hang_guard import HANG_S
 
 TESTS = Path(__file__).parent
 
@@ -20,7 +21,7 @@ EXAMPLES = {"gguf": 30, "codebook": 60, "cache": 40}
 def test_hostile_files_are_refused_by_name_without_a_crash(tmp_path, fmt):
     try:
         r = subprocess.run([sys.executable, str(TESTS / "hostile_files.py"), fmt, str(EXAMPLES[fmt]), str(tmp_path)],
-                           capture_output=True, text=True, timeout=600, cwd=TESTS)
+                           capture_output=True, text=True, timeout=HANG_S, cwd=TESTS)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{fmt}: the hostile-file property hung (no result in 600 s)")
     tail = (r.stdout + r.stderr)[-6000:]

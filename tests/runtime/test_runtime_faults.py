@@ -8,6 +8,7 @@ import pytest
 
 from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig
 from test_cache_support import quiet_codebook
+from hang_guard import HANG_S
 
 
 @pytest.mark.clause("INPUT-ERRORS")
@@ -44,7 +45,7 @@ def test_random_codebook_depends_only_on_its_seed():
              "print(h.hexdigest())\n")
     digests = []
     for first in ("import a2ats_ref\n", "import mlx.core\n"):
-        out = subprocess.run([sys.executable, "-c", first + probe], capture_output=True, text=True, timeout=300)
+        out = subprocess.run([sys.executable, "-c", first + probe], capture_output=True, text=True, timeout=HANG_S)
         assert out.returncode == 0, out.stderr
         digests.append(out.stdout.strip().splitlines()[-1])
     assert digests[0] == digests[1], "random_codebook(seed=3) differs with the import order of mlx and a2ats_ref"

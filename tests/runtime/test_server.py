@@ -18,6 +18,7 @@ from a2ats_ref.runtime import server as a2s
 from a2ats_ref.runtime.batching import A2ATSBatchCache
 from a2ats_ref.runtime.cache import A2ATSCache
 from test_generate_cli import WORDS, _model_folder, files  # noqa: F401  (the model folder and its codebook)
+from hang_guard import HANG_S
 
 PROMPTS = ["the quick brown fox", WORDS * 2, "a cat", WORDS + "the lazy dog sleeps while the fox"]
 MAX_TOKENS = 12
@@ -57,7 +58,7 @@ def served(files, monkeypatch):
 def complete(url: str, prompt: str, *, usage=None, **extra) -> str:
     body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, **extra}).encode()
     req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
+    with urllib.request.urlopen(req, timeout=HANG_S) as r:
         answer = json.loads(r.read())
     if usage is not None:
         usage.update(answer.get("usage", {}))
@@ -78,7 +79,7 @@ def test_concurrent_requests_are_batched_and_each_equals_the_request_alone(serve
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=300)
+        t.join(timeout=HANG_S)
     assert all(a is not None for a in answers), answers
     assert rows and max(rows) > 1, f"the server never batched the A2ATS requests (rows per decode: {set(rows)})"
     usage = {}

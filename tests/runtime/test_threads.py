@@ -20,6 +20,7 @@ import pytest
 from a2ats_ref.files.cache import save_a2ats_cache
 from a2ats_ref.runtime.hook import enable_a2ats
 from test_cache_support import a2ats_caches, quiet_codebook, run, tiny_llama, tokens
+from hang_guard import HANG_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -87,7 +88,7 @@ def test_a_process_that_uses_a2ats_only_in_a_worker_thread_exits_cleanly(tmp_pat
     active exception'), after its work succeeded: a server's exit status would read as a crash."""
     code = SCRIPT.format(here=HERE, path=str(tmp_path / "c.safetensors"))
     for run_ in range(EXIT_RUNS):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
         assert "done" in out.stdout, f"the worker's decode and save did not finish: exit {out.returncode}; " \
                                      f"stderr:\n{out.stderr[-3000:]}"
         assert out.returncode == 0, (f"run {run_ + 1}: exit {out.returncode} (negative: signal {-out.returncode}) "

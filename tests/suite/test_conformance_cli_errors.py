@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from a2ats_conformance.run.cli import _parser, main as cli_main
+from hang_guard import HANG_S
 
 
 def _main(*args):
@@ -66,7 +67,7 @@ _FULL = ("import resource, sys; from a2ats_conformance.run.cli import main; from
 def test_a_full_disk_names_the_path_and_leaves_no_manifest(tmp_path):
     out = tmp_path / "v"
     p = subprocess.run([sys.executable, "-c", _FULL, "vectors", "--out", str(out)], capture_output=True, text=True,
-                       timeout=600)
+                       timeout=HANG_S)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert str(out) in p.stderr and "cannot be written" in p.stderr, p.stderr
     assert not (out / "manifest.json").exists()

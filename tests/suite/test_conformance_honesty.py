@@ -15,6 +15,7 @@ from a2ats_conformance.harness.adapter import NotImplementedByIUT
 from a2ats_conformance.run.cli import main
 from a2ats_conformance.run.plugin import _not_implemented
 from a2ats_conformance.diagnosis.repro import TMP_PLACEHOLDER, load_counterexample
+from hang_guard import HANG_S
 
 
 def _run(tmp_path, *args):
@@ -80,7 +81,7 @@ def _cli(tmp_path, *args, env=None, name="r"):
     js, md = tmp_path / f"{name}.json", tmp_path / f"{name}.md"
     env = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT))
     p = subprocess.run([*CLI, *args, "--report-json", str(js), "--report-md", str(md)], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=HANG_S)
     rep = json.loads(js.read_text()) if js.exists() else None
     return p.returncode, rep, md.read_text() if md.exists() else "", p.stderr
 
@@ -109,12 +110,12 @@ def test_ctrl_c_writes_reports_and_no_unearned_pass(tmp_path, sig, sigint):
     p = subprocess.Popen([*CLI, "--iut", "honesty_adapters.misbehave:Slow", *FAST, "--report-json", str(js),
                           "--report-md", str(md)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
                          preexec_fn=_sigint(sigint))
-    deadline = time.time() + 120
+    deadline = time.time() + HANG_S
     while not marker.exists() and time.time() < deadline:   # ROPE-FREQ (1 s per call) has started
         time.sleep(0.1)
     time.sleep(0.5)
     p.send_signal(sig)
-    code = p.wait(timeout=120)
+    code = p.wait(timeout=HANG_S)
     rep = json.loads(js.read_text())
     assert code == 3 and rep["run"]["interrupted"] and not rep["run"]["complete"]
     assert _statuses(rep) == {"RET-TOPK": "pass", "ROPE-FREQ": "interrupted"}, rep["clauses"]
@@ -132,12 +133,12 @@ def test_ctrl_c_that_the_suite_ignores_is_interrupted_not_a_crash(tmp_path):
                    "from a2ats_conformance.run.cli import main; sys.exit(main(sys.argv[1:]))")
     p = subprocess.Popen([sys.executable, "-c", short_grace, "--iut", "honesty_adapters.misbehave:Stubborn", *FAST,
                           "--report-json", str(js)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL)
-    deadline = time.time() + 120
+    deadline = time.time() + HANG_S
     while not marker.exists() and time.time() < deadline:
         time.sleep(0.1)
     time.sleep(0.5)
     p.send_signal(signal.SIGINT)
-    code = p.wait(timeout=120)
+    code = p.wait(timeout=HANG_S)
     rep = json.loads(js.read_text())
     assert _statuses(rep) == {"RET-TOPK": "pass", "ROPE-FREQ": "interrupted"}, rep["clauses"]
     assert code == 3 and rep["run"]["interrupted"] and not rep["run"]["crashes"], rep["run"]
@@ -168,11 +169,9 @@ def test_exit_inside_a_call_fails_its_clause_and_the_run_goes_on(tmp_path, adapt
 @pytest.mark.parametrize("adapter, n", [("Hang", "1"), ("NativeHang", "1"), ("NativeHang", "2")])
 def test_a_hang_is_a_timeout(tmp_path, adapter, n):
     """A native hang ends the process running the test: the supervisor (-n 1) or pytest-xdist (-n 2) goes on."""
-    t0 = time.time()
     code, rep, _, _ = _cli(tmp_path, "--iut", f"honesty_adapters.misbehave:{adapter}", *FAST, "--example-timeout", "1",
                            "-n", n)
     assert code == 1 and _statuses(rep) == {"RET-TOPK": "timeout", "ROPE-FREQ": "pass"}, rep["clauses"]
-    assert time.time() - t0 < 120
 
 
 def test_concurrent_runs_get_their_own_counterexamples(tmp_path):
@@ -181,7 +180,7 @@ def test_concurrent_runs_get_their_own_counterexamples(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([*CLI, *args, "--report-json", str(tmp_path / f"{i}.json")], env=env,
                               stdout=subprocess.DEVNULL) for i in range(2)]
-    assert [p.wait(timeout=300) for p in procs] == [1, 1]
+    assert [p.wait(timeout=HANG_S) for p in procs] == [1, 1]
     reps = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2)]
     dirs = {r["run"]["counterexample_dir"] for r in reps}
     npz = {r["clauses"]["RET-TOPK"]["counterexample"]["npz"] for r in reps}
@@ -191,12 +190,11 @@ def test_concurrent_runs_get_their_own_counterexamples(tmp_path):
 
 @pytest.mark.parametrize("flag", ["--report-json", "--report-md"])
 def test_bad_report_path_is_rejected_before_the_run(tmp_path, flag):
-    t0 = time.time()
     p = subprocess.run([*CLI, "--profile", "quick", flag, str(tmp_path / "no" / "such" / "dir" / "r.out")],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 2 and f"{flag} " in p.stderr and "cannot be written" in p.stderr
-    assert "conformance:" not in p.stdout and time.time() - t0 < 60    # no suite ran
-    p = subprocess.run([*CLI, "--profile", "quick", flag, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert "conformance:" not in p.stdout and "verdict" not in p.stdout    # no suite ran
+    p = subprocess.run([*CLI, "--profile", "quick", flag, str(tmp_path)], capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 2 and "is a folder" in p.stderr
 
 
@@ -214,7 +212,7 @@ def test_cache_replay_is_self_contained_and_names_the_divergence(tmp_path, capsy
     meta, calls = load_counterexample(cex["npz"])
     paths = [a for _, args, _ in calls for a in args if isinstance(a, str)]
     assert paths and all(p.startswith(TMP_PLACEHOLDER + "/") for p in paths), paths   # no dead temp path
-    p = subprocess.run(cex["repro"], shell=True, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(cex["repro"], shell=True, capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 1 and "<-- first divergence from the oracle" in p.stdout, p.stdout + p.stderr
     assert "mismatched elements" in p.stdout or "shape" in p.stdout
 

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from a2ats_conformance.harness.adapter import ORACLE_IUT, load_adapter
 from a2ats_conformance.run.cli import main as cli_main
 from a2ats_conformance.vectors.export import write_answers, write_vectors
+from hang_guard import HANG_S
 
 KEEP_CALLS = ("ROPE-FREQ.rope_inv_freqs.000", "EQ-14.assign.000", "RET-SELECT.select_tokens.000",
               "RET-DECODE.decode_step.000", "CODES-DTYPE.code_dtype.000", "INPUT-ERRORS.rope_apply.000")
@@ -173,7 +174,7 @@ def test_an_oversized_manifest_is_refused_before_parsing(base, tmp_path, monkeyp
 
 # --------------------------------------------------------------------------- answers that are not plain files
 
-def _run_guarded(args, timeout=60):
+def _run_guarded(args, timeout=HANG_S):
     """The CLI in a subprocess: an open() of a FIFO blocks forever, and must fail the test, not hang it."""
     p = subprocess.run([sys.executable, "-m", "a2ats_conformance.run.cli", "grade", *map(str, args)],
                        capture_output=True, text=True, timeout=timeout)

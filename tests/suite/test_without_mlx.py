@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from hang_guard import HANG_S
+
 ORACLE = "a2ats_conformance.adapters.oracle:OracleAdapter"
 #: a few clauses that reach the oracle's stateless and cache paths, the report writer and the run's metadata
 CLAUSES = "ROPE-APPLY,EQ-10,CACHE-TRIM"
@@ -48,7 +50,7 @@ def no_mlx(tmp_path_factory):
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "a2ats_conformance.run.cli", *args], env=env,
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=HANG_S)
 
     probe = subprocess.run([sys.executable, "-c", "import mlx.core"], env=env, capture_output=True, text=True)
     assert probe.returncode != 0 and "blocked" in probe.stderr, "the import blocker did not take effect"
@@ -106,7 +108,7 @@ def test_importing_the_suite_without_mlx_loads_no_global_blas(no_mlx):
     """The preload serves MLX only: without it, a process-wide OpenBLAS would only shadow the BLAS a port's
     framework links."""
     code = "import a2ats_conformance, a2ats_ref._blas as b; s = b.blas_status(); print(s['loaded'], s['error'])"
-    r = subprocess.run([sys.executable, "-c", code], env=no_mlx.env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], env=no_mlx.env, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("None MLX is not installed"), r.stdout
     assert "OpenBLAS" not in r.stderr, r.stderr

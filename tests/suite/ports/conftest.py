@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from hang_guard import HANG_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)   # the test modules import the port classes by module name
@@ -21,7 +22,7 @@ def run_suite(tmp_path):
         out = tmp_path / f"{iut.replace(':', '.')}.json"
         cmd = [sys.executable, "-c", "import sys; from a2ats_conformance.run.cli import main; sys.exit(main())",
                "--iut", iut, "-q", "--report-json", str(out), "--counterexample-dir", str(tmp_path / "cex"), *args]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S)
         assert out.exists(), f"no report from {' '.join(cmd[3:])}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         print(proc.stdout[-3000:])
         return proc.returncode, json.loads(out.read_text())
