@@ -27,6 +27,7 @@ CLAUSE_FREE = {
                               "rule is checked in runtime/test_batching.py)",
     "runtime/test_cache_support.py": "helpers shared by the cache tests",
     "test_clause_markers.py": "this meta-test",
+    "test_no_wall_clock.py": "a meta-test of the suite and the tests: no verdict races the clock",
     "runtime/test_codebook_file.py": "the codebook file format: checksums, pickle refusal, corrupt files",
     "suite/test_profile.py": "the port profile and its catalogue: which variant a port shows, not a clause's rule",
     "suite/test_conformance.py": "the conformance CLI run against the reference: every clause at once, judged by the suite",
