@@ -10,7 +10,7 @@ from a2ats_conformance.run.cli import main
 from a2ats_conformance.diagnosis.deviations import DEVIATIONS, DeviantAdapter, Model
 from a2ats_conformance.diagnosis.diagnose import MAX_EXAMPLES, _same, diagnose, replay
 from a2ats_conformance.harness.messages import explain_selection
-from a2ats_conformance.diagnosis.repro import TMP_PLACEHOLDER
+from a2ats_conformance.diagnosis.repro import TMP_PLACEHOLDER, load_counterexample, main as repro_main
 from a2ats_spec import oracle
 from a2ats_spec.oracle_cache import OracleCache
 
@@ -192,6 +192,10 @@ def test_eq10_revealing_example_has_b_at_least_one(tmp_path):
     assert cex["revealing"]["case"]["b"] >= 1, cex["revealing"]
     assert cex["likely_causes"][0]["id"] == "b-missing", cex["likely_causes"]
     assert "help: likely cause: R_b missing" in cex["help"]
+    # its replay file replays the case printed, and the replay shows the port diverging there
+    meta, _ = load_counterexample(cex["revealing"]["npz"])
+    assert meta["case"] == cex["revealing"]["case"] and meta["test"].endswith("-revealing"), meta["case"]
+    assert repro_main([cex["revealing"]["npz"], "--iut", f"{__name__}:BMissingPort"]) == 1
 
 
 def _selection(s, *, query_pos, w, sinks, topk, mask):
