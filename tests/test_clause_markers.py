@@ -26,6 +26,7 @@ CLAUSE_FREE = {
     "runtime/test_server.py": "a2ats-server on loopback: batching and prompt-cache reuse end to end (CACHE-BATCH's "
                               "rule is checked in runtime/test_batching.py)",
     "runtime/test_cache_support.py": "helpers shared by the cache tests",
+    "runtime/test_cache_layout.py": "the cache's layout: a short class, one codebook type",
     "test_clause_markers.py": "this meta-test",
     "test_no_wall_clock.py": "a meta-test of the suite and the tests: no verdict races the clock",
     "runtime/test_codebook_file.py": "the codebook file format: checksums, pickle refusal, corrupt files",

@@ -334,26 +334,22 @@ def test_bit_flip_in_a_codebook_array_is_refused(tmp_path):
 
 
 def test_tiny_positive_L_diagonal_is_refused(tmp_path):
-    from a2ats_ref.runtime.cache import A2ATSCodebook
-
     cb = quiet_codebook(K=8)
     L = np.array(cb.layers[0].L)
     L[1, 3, 3] = 1e-30
     with pytest.raises(ValueError, match="ill-conditioned"):
-        A2ATSCodebook(cb.layers[0].Cz[None], mx.array(L)[None])
+        Codebook(cb.layers[0].Cz[None], mx.array(L)[None])
     with pytest.raises(ValueError, match="ill-conditioned"):
         Codebook([cb.layers[0].Cz], [L])
 
 
 def test_nonfinite_codebook_arrays_are_refused():
-    from a2ats_ref.runtime.cache import A2ATSCodebook
-
     cb = quiet_codebook(K=8)
     Cz = np.array(cb.layers[0].Cz)
     Cz[0, 2, 1] = 3e38   # finite, but C = Cz L^-1 overflows
     L = np.array(cb.layers[0].L) * 0.5
     with pytest.raises(ValueError, match="C = Cz L\\^-1 .*finite|non-finite|NaN/inf"):
-        A2ATSCodebook(mx.array(Cz)[None], mx.array(L)[None])
+        Codebook(mx.array(Cz)[None], mx.array(L)[None])
 
 
 # ------------------------------------------------------------------ 2, 8, 9, 10. calibration runs

@@ -53,7 +53,8 @@ from a2ats_ref import _blas
 from a2ats_ref.calibration.corpus import build_corpus
 from a2ats_ref.files import gguf
 from a2ats_ref.rope import rope_params_from_module, rotate_unchecked
-from a2ats_ref.runtime.cache import A2ATSCodebook, A2ATSConfig, make_a2ats_cache
+from a2ats_ref.runtime.cache import A2ATSConfig, make_a2ats_cache
+from a2ats_ref.runtime.codebook import Codebook
 from a2ats_ref.runtime.hook import enable_a2ats
 
 CALIB_PACKAGES = ("email", "json", "logging", "collections", "concurrent")
@@ -326,7 +327,7 @@ def _caches(model, kind, books_full, cfg):
     n = len(model.layers)
     Cz = mx.stack([books_full[i].Cz for i in range(n)])
     L = mx.stack([books_full[i].L for i in range(n)])
-    return make_a2ats_cache(model, A2ATSCodebook(Cz, L), cfg)
+    return make_a2ats_cache(model, Codebook(Cz, L), cfg)
 
 
 def _prefill(model, cache, ids):

@@ -29,7 +29,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from a2ats_ref.runtime.cache import A2ATSCache, A2ATSCodebook, A2ATSConfig, LayerCodebook
+from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig
+from a2ats_ref.runtime.codebook import Codebook, CodebookLayer
 from a2ats_ref.codes import mx_code_dtype
 from a2ats_ref.files.atomic import (CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, load_json,
                                     verify_checksums)
@@ -43,7 +44,7 @@ FORMAT = "a2ats-cache"
 VERSION = 1
 
 
-def codebook_fingerprint(codebook: LayerCodebook) -> str:
+def codebook_fingerprint(codebook: CodebookLayer) -> str:
     """SHA-256 of one layer's Cz and L (float32 bytes, C order) and their shapes."""
     h = hashlib.sha256()
     for a in (codebook.Cz, codebook.L):
@@ -135,7 +136,7 @@ def load_a2ats_cache(path, codebook, *, return_metadata: bool = False):
     path = _check_path(path)
     if not os.path.exists(path):   # a FIFO or device exists: load_safetensors refuses it unopened
         raise ValueError(f"path: no such file {path!r}")
-    codebook = A2ATSCodebook.coerce(codebook)
+    codebook = Codebook.coerce(codebook)
     # the header is checked first (mx.load trusts it), through the same open file the arrays are read from
     arrays, meta = load_safetensors(path, error=lambda msg: _bad(path, msg.replace(f"{path}: ", "", 1)))
     if meta.get("format") != FORMAT:
@@ -212,7 +213,7 @@ def _check_inv_freqs(inv, d, fast_rope, where, err) -> None:
                   "the keys could not be un-rotated")
 
 
-def _load_layer(path, i: int, info: dict, arrays: dict, lc: LayerCodebook, err) -> A2ATSCache:
+def _load_layer(path, i: int, info: dict, arrays: dict, lc: CodebookLayer, err) -> A2ATSCache:
     where = f"layer {i}"
     required = _LAYER_KEYS | ({"shapes", "dtypes"} if info.get("offset") else set())
     if set(info) != required:

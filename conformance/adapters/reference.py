@@ -206,13 +206,14 @@ class _OneLayerModel:
 
 
 def _build_cache(config: dict):
-    from a2ats_ref.runtime.cache import (A2ATSCache, A2ATSConfig,  # deferred: needs mlx-lm, unlike function calls
-                                         LayerCodebook, make_a2ats_cache)
+    # deferred: needs mlx-lm, unlike function calls
+    from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig, make_a2ats_cache
+    from a2ats_ref.runtime.codebook import CodebookLayer
 
     Cz, L = (mx.array(np.asarray(config[k], np.float32)) for k in ("Cz", "L"))
     cfg = A2ATSConfig(w=config["w"], b=config["b"], sinks=config["sinks"], topk=config["topk"])
     if rope_form(config) == "inv_freqs":
-        return A2ATSCache(LayerCodebook.from_z(Cz, L), mx.array(np.asarray(config["inv_freqs"], np.float32)),
+        return A2ATSCache(CodebookLayer.from_z(Cz, L), mx.array(np.asarray(config["inv_freqs"], np.float32)),
                           bool(config["traditional"]), cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # a random-codebook or validation warning here would be a wiring bug
@@ -304,11 +305,11 @@ class ReferenceCache:
         save_a2ats_cache(_st(path), [self._c])
 
     def load(self, path: str) -> "ReferenceCache":
-        from a2ats_ref.runtime.cache import A2ATSCodebook  # deferred: needs mlx-lm, unlike function calls
+        from a2ats_ref.runtime.codebook import Codebook  # deferred: needs mlx-lm, unlike function calls
         from a2ats_ref.files.cache import load_a2ats_cache  # deferred: needs mlx-lm, unlike function calls
 
         lc = self._c.codebook
-        cb = A2ATSCodebook(lc.Cz[None], lc.L[None])
+        cb = Codebook(lc.Cz[None], lc.L[None])
         (cache,) = load_a2ats_cache(_st(path), cb)
         cache.select_method = self._c.select_method
         return ReferenceCache(self.config, cache)

@@ -14,6 +14,7 @@ from a2ats_conformance.mutants.base import Mutant, _SameClassOnLoad
 from a2ats_ref import prefill as _prefill
 from a2ats_ref.eq16_z_transform import assign_z_unchecked
 from a2ats_ref.rope import applied_cos_sin, rotate_by_tables
+from a2ats_ref.runtime import coding as _coding
 from a2ats_ref.runtime.decode import dispatch, portable as fd
 
 
@@ -81,9 +82,7 @@ class _PatchedCache(_SameClassOnLoad, ReferenceCache):
 def _fast_rope_codes(bug):
     """assign_codes whose fast_rope branch (the model's own RoPE) is ``bug(k_post, positions, d, traditional,
     fast_rope) -> k_pre``; the inv_freqs branch is left as it is."""
-    from a2ats_ref.runtime import cache as _cache  # deferred: needs mlx-lm, unlike function mutants
-
-    original = _cache.assign_codes
+    original = _coding.assign_codes
 
     def assign_codes(k_post, positions, codebook, inv_freqs, *, traditional, fast_rope=None, host=False):
         if fast_rope is None:
@@ -101,8 +100,7 @@ def _undo_tables(k, positions, d, traditional, fast_rope):
 
 class _CodesPostRopeCache(_PatchedCache):
     def patches(self):
-        from a2ats_ref.runtime import cache as _cache  # deferred: needs mlx-lm, unlike function mutants
-        return [(_cache, "assign_codes", _fast_rope_codes(lambda k, p, d, t, fr: k))]
+        return [(_coding, "assign_codes", _fast_rope_codes(lambda k, p, d, t, fr: k))]
 
 
 class FastRopeCodesPostRope(Mutant):
@@ -116,12 +114,10 @@ class FastRopeCodesPostRope(Mutant):
 
 class _BatchFirstPositionCache(_PatchedCache):
     def patches(self):
-        from a2ats_ref.runtime import cache as _cache  # deferred: needs mlx-lm, unlike function mutants
-
         def first_only(k, p, d, t, fr):
             start = p.start if isinstance(p, range) else int(p.reshape(-1)[0].item())
             return _undo_tables(k, range(start, start + 1), d, t, fr)   # (1, d/2) tables broadcast over the batch
-        return [(_cache, "assign_codes", _fast_rope_codes(first_only))]
+        return [(_coding, "assign_codes", _fast_rope_codes(first_only))]
 
 
 class FastRopeBatchFirstPosition(Mutant):
@@ -135,8 +131,7 @@ class FastRopeBatchFirstPosition(Mutant):
 
 class _TraditionalIgnoredCache(_PatchedCache):
     def patches(self):
-        from a2ats_ref.runtime import cache as _cache  # deferred: needs mlx-lm, unlike function mutants
-        return [(_cache, "assign_codes", _fast_rope_codes(lambda k, p, d, t, fr: _undo_tables(k, p, d, False, fr)))]
+        return [(_coding, "assign_codes", _fast_rope_codes(lambda k, p, d, t, fr: _undo_tables(k, p, d, False, fr)))]
 
 
 class FastRopeTraditionalIgnored(Mutant):
@@ -150,12 +145,10 @@ class FastRopeTraditionalIgnored(Mutant):
 
 class _Bf16PositionsFastRopeCache(_PatchedCache):
     def patches(self):
-        from a2ats_ref.runtime import cache as _cache  # deferred: needs mlx-lm, unlike function mutants
-
         def rounded(k, p, d, t, fr):
             pos = mx.arange(p.start, p.stop) if isinstance(p, range) else p
             return _undo_tables(k, pos.astype(mx.bfloat16).astype(mx.int32), d, t, fr)
-        return [(_cache, "assign_codes", _fast_rope_codes(rounded))]
+        return [(_coding, "assign_codes", _fast_rope_codes(rounded))]
 
 
 class FastRopePositionsBfloat16(Mutant):

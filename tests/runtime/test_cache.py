@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from a2ats_conformance.harness.tolerances import tie_margin, tolerance
-from a2ats_ref.runtime.cache import A2ATSCache, A2ATSCodebook, A2ATSConfig, LayerCodebook, make_a2ats_cache, random_codebook
+from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig, make_a2ats_cache, random_codebook
+from a2ats_ref.runtime.codebook import Codebook, CodebookLayer
 from a2ats_ref.runtime.hook import enable_a2ats
 from a2ats_spec import oracle
 from test_cache_support import HEAD_DIM, N_HEADS, N_KV, a2ats_caches, kv_caches, quiet_codebook, run, tiny_llama, tokens
@@ -316,14 +317,14 @@ def test_config_validation(kw, match):
 
 def test_codebook_validation():
     with pytest.raises(ValueError, match="Cz"):
-        A2ATSCodebook(mx.zeros((2, 4, 16)), mx.zeros((2, 16, 16)))
+        Codebook(mx.zeros((2, 4, 16)), mx.zeros((2, 16, 16)))
     with pytest.raises(ValueError, match="L"):
-        A2ATSCodebook(mx.zeros((1, 2, 4, 16)), mx.zeros((1, 2, 8, 8)))
+        Codebook(mx.zeros((1, 2, 4, 16)), mx.zeros((1, 2, 8, 8)))
     with pytest.raises(ValueError, match="lower-triangular"):
-        A2ATSCodebook(mx.zeros((1, 1, 4, 4)), mx.ones((1, 1, 4, 4)))
+        Codebook(mx.zeros((1, 1, 4, 4)), mx.ones((1, 1, 4, 4)))
     with pytest.raises(ValueError, match="codebook"):
-        A2ATSCodebook.coerce(42)
-    with pytest.raises(ValueError, match="LayerCodebook"):
+        Codebook.coerce(42)
+    with pytest.raises(ValueError, match="CodebookLayer"):
         A2ATSCache("nope", mx.ones(8), False)
 
 
@@ -343,23 +344,20 @@ def test_coerce_accepts_plain_pairs_and_objects():
     Cz = mx.stack([lc.Cz for lc in cb.layers])
     L = mx.stack([lc.L for lc in cb.layers])
     for obj in ((Cz, L), {"Cz": Cz, "L": L}, type("CB", (), {"Cz": Cz, "L": L})()):
-        got = A2ATSCodebook.coerce(obj)
-        assert isinstance(got.layers[0], LayerCodebook) and got.K == cb.K
+        got = Codebook.coerce(obj)
+        assert isinstance(got.layers[0], CodebookLayer) and got.K == cb.K
         np.testing.assert_allclose(np.array(got.layers[0].C), np.array(cb.layers[0].C))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        A2ATSCodebook.coerce((Cz, L))  # a user-supplied codebook does not warn
+        Codebook.coerce((Cz, L))  # a user-supplied codebook does not warn
 
 
 
 def test_from_layers_and_calibration_codebook_objects():
     cb = quiet_codebook(1)
-    again = A2ATSCodebook.from_layers(cb.layers)
+    again = Codebook.from_layers(cb.layers)
     assert again.layers[0] is cb.layers[0] and not again.random
-    try:
-        from a2ats_ref.runtime.codebook import Codebook
-    except ImportError:
-        pytest.skip("a2ats_ref.runtime.codebook not available")
     cal = Codebook([cb.layers[0].Cz], [cb.layers[0].L])
-    got = A2ATSCodebook.coerce(cal)
+    got = Codebook.coerce(cal)
+    assert got is not cal and Codebook.coerce(got) is got and Codebook.coerce(cb) is cb
     np.testing.assert_array_equal(np.array(got.layers[0].C), np.array(cb.layers[0].C))

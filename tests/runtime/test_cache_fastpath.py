@@ -14,7 +14,7 @@ import pytest
 
 import a2ats_spec.oracle as O
 from a2ats_conformance.harness.tolerances import tie_margin, tolerance
-from a2ats_ref.runtime import cache as C
+from a2ats_ref.runtime import cache as C, coding
 from a2ats_ref.eq12_far_keys import far_keys
 from a2ats_ref.eq16_z_transform import assign_z
 from a2ats_ref.retrieval import decode_step, retrieval_attention
@@ -128,8 +128,8 @@ def test_codes_are_assigned_in_batches_when_tokens_leave_the_window(monkeypatch)
     cfg = C.A2ATSConfig(w=8, b=300, sinks=2, topk=0.2)
     cache = C.A2ATSCache(lc, inv, False, cfg)
     calls = []
-    real = C.assign_codes
-    monkeypatch.setattr(C, "assign_codes", lambda k, *a, **kw: calls.append(k.shape[2]) or real(k, *a, **kw))
+    real = coding.assign_codes
+    monkeypatch.setattr(coding, "assign_codes", lambda k, *a, **kw: calls.append(k.shape[2]) or real(k, *a, **kw))
     ks = rng.standard_normal((1, NKV, 60, D)).astype(np.float32)
     cache.update_and_fetch(mx.array(ks[:, :, :20]), mx.array(ks[:, :, :20]))   # a prefill: coded with it
     assert calls == [20]

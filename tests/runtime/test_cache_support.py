@@ -9,7 +9,8 @@ import numpy as np
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
-from a2ats_ref.runtime.cache import A2ATSCodebook, A2ATSConfig, make_a2ats_cache, random_codebook
+from a2ats_ref.runtime.cache import A2ATSConfig, make_a2ats_cache, random_codebook
+from a2ats_ref.runtime.codebook import Codebook
 
 N_LAYERS, N_HEADS, N_KV, HEAD_DIM, VOCAB = 2, 4, 2, 16, 64
 
@@ -26,7 +27,7 @@ def tiny_llama(traditional: bool = False, seed: int = 0, layers: int = N_LAYERS)
     return model
 
 
-def quiet_codebook(n_layers=N_LAYERS, n_kv=N_KV, d=HEAD_DIM, K=64, seed=0) -> A2ATSCodebook:
+def quiet_codebook(n_layers=N_LAYERS, n_kv=N_KV, d=HEAD_DIM, K=64, seed=0) -> Codebook:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return random_codebook(n_layers, n_kv, d, K, seed=seed)

@@ -67,10 +67,8 @@ def test_round_trip(tmp_path):
 
 
 def test_cache_accepts_it():
-    from a2ats_ref.runtime.cache import A2ATSCodebook
-
     cb = make_codebook()
-    cc = A2ATSCodebook.coerce(cb)
+    cc = Codebook.coerce(cb)
     assert (cc.n_layers, cc.n_kv_heads, cc.K, cc.head_dim) == (2, 2, 8, 4) and not cc.random
 
 

@@ -56,7 +56,7 @@ def test_first_decode_after_a_long_prefill_codes_a_bounded_number_of_tokens(monk
     """A prefill chunk's tokens are coded with the chunk: left pending, the first decode after a 32K prefill
     coded all 32K at once (tens of seconds, no progress). A decode codes at most the w + 1 tokens appended
     since the last chunk."""
-    import a2ats_ref.runtime.cache as cache_mod
+    from a2ats_ref.runtime import coding
 
     lc = quiet_codebook().layers[0]
     cfg = A2ATSConfig(w=4, sinks=2, topk=0.1)
@@ -65,8 +65,8 @@ def test_first_decode_after_a_long_prefill_codes_a_bounded_number_of_tokens(monk
     for i, t in enumerate((300, 500)):
         c.update_and_fetch(kv(t, 2 * i), kv(t, 2 * i + 1))
     coded = []
-    real = cache_mod.assign_codes
-    monkeypatch.setattr(cache_mod, "assign_codes", lambda k, *a, **kw: coded.append(k.shape[2]) or real(k, *a, **kw))
+    real = coding.assign_codes
+    monkeypatch.setattr(coding, "assign_codes", lambda k, *a, **kw: coded.append(k.shape[2]) or real(k, *a, **kw))
     q = mx.random.normal((1, 2 * lc.n_kv_heads, 1, lc.head_dim), key=mx.random.key(9))
     for i in range(12):
         c.update_and_fetch(kv(1, 100 + i), kv(1, 200 + i))
@@ -153,7 +153,7 @@ def test_layer_codebook_nbytes_counts_the_bytes_it_holds():
     """C and the decode operand CT share one buffer: counting both over-stated a codebook's memory by a third."""
     import gc
 
-    from a2ats_ref.runtime.cache import LayerCodebook
+    from a2ats_ref.runtime.codebook import CodebookLayer
 
     rng = np.random.default_rng(0)
     Cz = mx.array(rng.standard_normal((3, 1024, 64)).astype(np.float32))
@@ -162,7 +162,7 @@ def test_layer_codebook_nbytes_counts_the_bytes_it_holds():
     gc.collect()
     mx.clear_cache()
     before = mx.get_active_memory()
-    lc = LayerCodebook.from_z(Cz, L)
+    lc = CodebookLayer.from_z(Cz, L)
     gc.collect()
     mx.clear_cache()
     held = mx.get_active_memory() - before

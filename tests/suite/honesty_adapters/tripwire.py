@@ -38,7 +38,7 @@ def _install():
     import mlx_lm.models.base as base
 
     from a2ats_ref import prefill
-    from a2ats_ref.runtime import cache
+    from a2ats_ref.runtime import cache, coding
     from a2ats_ref.runtime.decode import portable as fd
 
     def wrap(owner, name, branch_of):
@@ -52,7 +52,7 @@ def _install():
         setattr(owner, name, counted)
         return original
 
-    wrap(cache, "assign_codes", lambda *a, fast_rope=None, **kw: BRANCHES[0] if fast_rope is not None else BRANCHES[1])
+    wrap(coding, "assign_codes", lambda *a, fast_rope=None, **kw: BRANCHES[0] if fast_rope is not None else BRANCHES[1])
     decoding = []
 
     def pending(self, upto):
