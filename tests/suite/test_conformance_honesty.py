@@ -132,7 +132,8 @@ def test_ctrl_c_that_the_suite_ignores_is_interrupted_not_a_crash(tmp_path):
     short_grace = ("import sys, a2ats_conformance.run.supervisor as s; s.INTERRUPT_GRACE_S = 1.0; "
                    "from a2ats_conformance.run.cli import main; sys.exit(main(sys.argv[1:]))")
     p = subprocess.Popen([sys.executable, "-c", short_grace, "--iut", "honesty_adapters.misbehave:Stubborn", *FAST,
-                          "--report-json", str(js)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL)
+                          "--report-json", str(js)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                         preexec_fn=_sigint(signal.SIG_DFL))   # a terminal's Ctrl-C: not ignored as a background job's
     deadline = time.time() + HANG_S
     while not marker.exists() and time.time() < deadline:
         time.sleep(0.1)
