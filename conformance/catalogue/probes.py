@@ -186,28 +186,40 @@ def _decode_lut_probe(rng):
     return dict(calls=calls, clause="RET-DECODE", needs=("decode_step",), max_position=64.0)
 
 
-def _decode_lut_ties_probe(rng):
-    """Near ties that only the LUT's precision decides: per KV group, head A's best token is one and head B's
-    another, by score gaps above float32's tie margin but inside one float16 (call 1) or one bfloat16 step
-    (call 2) of 1.0. A LUT held at that precision ties every candidate in both heads alike, so any tie rule
-    picks one token for the group where the spec picks two."""
-    T, K = 6, 6
-    inv = np.zeros(D // 2)        # identity rotations: q_b is the query, the LUT is q·C
+def _lut_ties_inputs():
+    """Per KV group, head A's and head B's LUT rows 1 + eps: gaps above float32's tie margin, inside one float16
+    (first pair of rows) or one bfloat16 step (second) of 1.0, with the best code of A and of B different."""
     q = np.zeros((NQ, D))
     q[0::2, 0] = q[1::2, 1] = 1.0
+    Cs = []
+    for eps_a, eps_b in (([2.2e-4, 4.4e-4, 0.0], [4.4e-4, 0.0, 2.2e-4]),     # float16 rounds all to 1.0
+                         ([3.5e-3, 0.0], [0.0, 3.5e-3])):                    # bfloat16 does, float16 does not
+        C = np.zeros((NKV, 6, D))
+        C[:, :, :2] = 0.25
+        n = len(eps_a)
+        C[:, :n, 0], C[:, :n, 1] = 1.0 + np.array(eps_a), 1.0 + np.array(eps_b)
+        Cs.append(C)
+    return q, Cs
+
+
+def _lut_ties_probe(rng):
+    q, Cs = _lut_ties_inputs()
+    return dict(calls=[("lut_scores", (q, C), {"scale": 1.0}) for C in Cs], clause="RET-LUT", needs=("lut_scores",))
+
+
+def _decode_lut_ties_probe(rng):
+    """Near ties that only the LUT's precision decides (_lut_ties_inputs), one token per code: a LUT held at that
+    precision ties every candidate in both heads alike, so any tie rule picks one token for the group where the
+    spec picks two."""
+    T = 6
+    inv = np.zeros(D // 2)        # identity rotations: q_b is the query, the LUT is q·C
+    q, Cs = _lut_ties_inputs()
     k_post, v = rng.standard_normal((NKV, T, D)), POOL[:, :T]
     codes = np.tile(np.arange(T), (NKV, 1)).astype(np.uint8)
     kw = dict(query_pos=T - 1, b=37, w=1, sinks=0, topk=0.2, inv_freqs=inv, traditional=True, scale=1.0,
               return_mask=True)
-    calls = []
-    for eps_a, eps_b in (([2.2e-4, 4.4e-4, 0.0], [4.4e-4, 0.0, 2.2e-4]),     # float16 rounds all to 1.0
-                         ([3.5e-3, 0.0], [0.0, 3.5e-3])):                    # bfloat16 does, float16 does not
-        C = np.zeros((NKV, K, D))
-        C[:, :, :2] = 0.25
-        n = len(eps_a)
-        C[:, :n, 0], C[:, :n, 1] = 1.0 + np.array(eps_a), 1.0 + np.array(eps_b)
-        calls.append(("decode_step", (q, k_post, v, codes, C), dict(kw)))
-    return dict(calls=calls, clause="RET-DECODE", needs=("decode_step",))
+    return dict(calls=[("decode_step", (q, k_post, v, codes, C), dict(kw)) for C in Cs], clause="RET-DECODE",
+                needs=("decode_step",))
 
 
 def _kmeans_init_probe(rng):
@@ -299,7 +311,7 @@ _BUILDERS = {
     "assign": _assign_probe, "far-keys": _far_keys_probe, "topk": _topk_probe, "select": _select_probe,
     "decode-values": _decode_values_probe, "decode-attend": _decode_attend_probe, "cache-decode": _cache_decode_probe, "cache-values": _cache_values_probe,
     "decode-select": _decode_select_probe, "decode-lut": _decode_lut_probe,
-    "decode-lut-ties": _decode_lut_ties_probe, "kmeans-init": _kmeans_init_probe,
+    "lut-ties": _lut_ties_probe, "decode-lut-ties": _decode_lut_ties_probe, "kmeans-init": _kmeans_init_probe,
     "lloyd": _lloyd_probe, "kmeans": _kmeans_probe, "codes-dtype": _codes_dtype_probe,
     "cache-trim": _cache_trim_probe, "cache-save": _cache_save_probe,
 }

@@ -82,7 +82,7 @@ def test_multi_deviation_port_gets_each_deviation_named(name):
 
 
 @pytest.mark.parametrize("name", sorted(n for n, c in port_unfaithful.UNFAITHFUL.items()
-                                        if c.deviation and c.deviation != "float16-lut"))
+                                        if c.deviation))
 def test_unfaithful_port_deviation_is_named(name):
     """Each one-bug port: some profile row reads a record of its deviation, and no mechanism reads unknown."""
     cls = port_unfaithful.UNFAITHFUL[name]
