@@ -304,12 +304,7 @@ def _meta_state(cache) -> tuple[str, str]:
 
 
 def _set_meta_state(cache, v) -> None:
-    cfg, rope = v
-    cache.config = A2ATSConfig.from_json(cfg)
-    r = json.loads(rope)
-    cache.traditional = checks.check_bool(r.get("traditional"), "meta_state: traditional")
-    cache.inv_freqs = mx.array([float.fromhex(x) for x in r["inv_freqs"]], dtype=mx.float32)
-    cache.fast_rope = fast_rope_from_json(r.get("fast_rope"))
+    cache.inv_freqs, cache.traditional, cache.config, cache.fast_rope = _from_meta_state(v)
 
 
 def _from_meta_state(meta_state) -> tuple:
