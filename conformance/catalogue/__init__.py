@@ -65,6 +65,15 @@ def _dv(dev_id: str, name: str):
     raise KeyError(f"deviation {dev_id!r} has no variant {name!r}")
 
 
+def _precision_records(mech: str, what: str, source: str, *, float16_mutant=None, float16_kind="library"):
+    """The spec's, float16 and bfloat16 variants of a LUT's precision (the float16-lut deviation's models)."""
+    return (Record(mech, "spec", f"{what} at float32 accuracy or better", source="SPEC RET-LUT", kind="spec"),
+            *(Record(mech, dt, f"{what} rounded to {dt}: near ties reorder", _dv("float16-lut", model),
+                     mutant=mutant, source=f"port: {source} ({dt})", kind=kind, deviation="float16-lut")
+              for dt, model, mutant, kind in (("float16", "LutF16", float16_mutant, float16_kind),
+                                              ("bfloat16", "LutBF16", None, "library"))))
+
+
 _CACHE_DECODE = ("RET-DECODE", "CACHE-DECODE", "CACHE-DENSE-EQUIV")
 
 MECHANISMS: tuple[Mechanism, ...] = (
@@ -311,19 +320,9 @@ RECORDS: tuple[Record, ...] = (
            deviation="far-logits-at-own-position"),
     Record("decode-far-logits", "query-own-position", "LUT of q_post (q·R_i·k, no de-rotation, no R_b)",
            V.QueryOwnPositionKeyUnrotated, source="port"),
-    Record("lut-function-precision", "spec", "lut_scores at float32 accuracy or better", source="SPEC RET-LUT",
-           kind="spec"),
-    Record("lut-function-precision", "float16", "lut_scores rounded to float16", _dv("float16-lut", "LutF16"),
-           source="port: a half-precision LUT", deviation="float16-lut"),
-    Record("lut-function-precision", "bfloat16", "lut_scores rounded to bfloat16", _dv("float16-lut", "LutBF16"),
-           source="port: a bfloat16 LUT", deviation="float16-lut"),
-    Record("lut-precision", "spec", "LUT scores ranked at float32 accuracy or better", source="SPEC RET-LUT",
-           kind="spec"),
-    Record("lut-precision", "float16", "LUT (q_b and C, or its scores) rounded to float16: near ties reorder",
-           _dv("float16-lut", "LutF16"), mutant="Float16Lut", source="port: a half-precision LUT kernel",
-           kind="coverage", deviation="float16-lut"),
-    Record("lut-precision", "bfloat16", "LUT scores rounded to bfloat16: near ties reorder",
-           _dv("float16-lut", "LutBF16"), source="port: a bfloat16 LUT kernel", deviation="float16-lut"),
+    *_precision_records("lut-function-precision", "lut_scores", "a half-precision LUT"),
+    *_precision_records("lut-precision", "the LUT the decode ranks (q_b and C, or its scores)",
+                        "a half-precision LUT kernel", float16_mutant="Float16Lut", float16_kind="coverage"),
     # ---- k-means (EQ-17)
     Record("kmeans-init", "spec", "smallest n with cumsum(D²)[n] > u·ΣD²", source="SPEC EQ-17-INIT", kind="spec"),
     Record("kmeans-init", "inclusive", ">= (searchsorted side='left'): u = 0 re-picks a chosen point",
