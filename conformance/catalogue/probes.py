@@ -33,6 +33,10 @@ class Probe:
     cache_ops: tuple = ()
     max_position: float | None = None
     mechanisms: tuple = field(default=())
+    # mechanisms whose catch-all variant (a lossy rule of the port's own, which no model predicts) also decides
+    # this probe's output: when one of them read so, an output no variant explains is not evidence against this
+    # probe's mechanisms
+    confounded_by: tuple = ()
 
 
 def _inv(d=D, base=10000.0):
@@ -304,6 +308,16 @@ def _cache_values_probe(rng):
     return dict(calls=calls, clause="CACHE-DECODE", needs=("make_cache",), cache_ops=("append", "decode"))
 
 
+def _cache_topk_probe(rng):
+    T = 12                                             # a buffer of 256 or more: int(0.25 · 12) = 3 against 64
+    cfg = _cache_config(rng, w=1, sinks=0, topk=0.25)
+    k, v = _tokens(rng, 0, T)
+    q = oracle.rope_apply(rng.standard_normal((NQ, D)) * 2.0, np.full(NQ, T - 1.0), _inv(), traditional=True)
+    calls = [("make_cache", (cfg,), {}), ("cache0.append", (k, v * 3.0), {}), ("cache0.decode", (q,), {})]
+    return dict(calls=calls, clause="CACHE-DECODE", needs=("make_cache",), cache_ops=("append", "decode"),
+                max_position=64.0, confounded_by=("cache-values",))
+
+
 #: probe id -> builder; probes run in this order, and each later probe's predictions compose the variants
 #: found by the earlier ones (a decode probe predicts with the port's own RoPE layout, keys, values, ...)
 _BUILDERS = {
@@ -313,7 +327,7 @@ _BUILDERS = {
     "decode-select": _decode_select_probe, "decode-lut": _decode_lut_probe,
     "lut-ties": _lut_ties_probe, "decode-lut-ties": _decode_lut_ties_probe, "kmeans-init": _kmeans_init_probe,
     "lloyd": _lloyd_probe, "kmeans": _kmeans_probe, "codes-dtype": _codes_dtype_probe,
-    "cache-trim": _cache_trim_probe, "cache-save": _cache_save_probe,
+    "cache-trim": _cache_trim_probe, "cache-save": _cache_save_probe, "cache-topk": _cache_topk_probe,
 }
 
 

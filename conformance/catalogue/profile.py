@@ -246,10 +246,16 @@ def profile(adapter, *, dtype: str, caps: dict | None = None, guard=contextlib.n
                 result = _classify(probe, _Probe(probe, port, errs, dtype), found)
             except Exception as exc:  # noqa: BLE001 - a profile that cannot classify says so; verdicts stand
                 result = {m: (None, f"probe {pid}: classification failed ({_first_line(exc)})") for m in probe.mechanisms}
+            confounder = next((c for c in probe.confounded_by if found.get(c) is not None and found[c].catch_all), None)
             for m, (rec, ev) in result.items():
                 found[m] = rec
                 if rec is not None and rec.catch_all and pid == "decode-values":
                     found[m] = dataclasses.replace(rec, model=_measured_values(probe, port))
+                if rec is None and confounder is not None:
+                    rows[m] = _row(m, None, "not-run", f"not classified: the port's {confounder} variant "
+                                   f"({found[confounder].variant}, a rule no variant predicts) decides this probe's "
+                                   f"output too; {ev}", pid)
+                    continue
                 st = "unknown" if rec is None else ("spec" if rec.kind == "spec" else "variant")
                 rows[m] = _row(m, rec, st, ev, pid)
     finally:

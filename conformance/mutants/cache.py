@@ -42,9 +42,6 @@ class _ForgetfulCache(ReferenceCache):
 
 
 class TrimForgetsPositions(Mutant):
-    expected_clause = "CACHE-TRIM"
-    bug = "cache trim does not roll back the position counter that codes later tokens"
-
     def make_cache(self, config):
         return _ForgetfulCache(config)
 
@@ -63,10 +60,6 @@ class _RowZeroSelectionCache(ReferenceCache):
 
 
 class BatchRowsReadRowZero(Mutant):
-    expected_clause = "CACHE-BATCH"
-    coverage_item = "CACHE-BATCH"
-    bug = "batched decode: every row uses row 0's token selection"
-
     def make_cache(self, config):
         return _RowZeroSelectionCache(config)
 
@@ -93,10 +86,6 @@ class _LowPrecisionPositionsCache(_SameClassOnLoad, ReferenceCache):
 
 
 class PositionsLowPrecision(Mutant):
-    expected_clause = "CACHE-FAR-CODES"
-    coverage_item = "positions"
-    bug = "token positions held in bfloat16 when keys are de-rotated for their codes (wrong past position 256)"
-
     def make_cache(self, config):
         return _LowPrecisionPositionsCache(config)
 
@@ -116,10 +105,6 @@ class _ChunkRerotatedCache(_SameClassOnLoad, ReferenceCache):
 
 
 class ChunkRerotated(Mutant):
-    expected_clause = "CACHE-CHUNK"
-    coverage_item = "CACHE-CHUNK"
-    bug = "chunked prefill: keys of every chunk after the first stored re-rotated by the chunk's offset"
-
     def make_cache(self, config):
         return _ChunkRerotatedCache(config)
 
@@ -134,11 +119,6 @@ class _NoScaleCache(_SameClassOnLoad, ReferenceCache):
 
 
 class CacheIgnoresScale(Mutant):
-    expected_clause = "CACHE-DECODE"
-    bug = "the cache's decode ignores config['scale'] (always 1/sqrt(d))"
-    gap = "test_cache.py::test_decode_matches_oracle"
-    expected_cause = "attention-scale-wrong"
-
     def make_cache(self, config):
         return _NoScaleCache(config)
 
@@ -153,11 +133,6 @@ class _HalfNoScaleCache(_NoScaleCache):
 
 
 class HalfCacheIgnoresScale(Mutant):
-    expected_clause = "CACHE-DECODE"
-    bug = "the cache's float16 decode branch ignores config['scale'] (float32 decodes are right)"
-    gap = "test_cache.py::test_decode_matches_oracle"
-    half_precision = True   # shows only in the default run's dtype matrix
-
     def make_cache(self, config):
         return _HalfNoScaleCache(config)
 
@@ -171,10 +146,6 @@ class _U16At256Cache(_SameClassOnLoad, ReferenceCache):
 
 
 class CacheCodesU16At256(Mutant):
-    expected_clause = "CODES-DTYPE"
-    bug = "cache stores codes as uint8 only for K < 256 (K = 256 gets uint16); code_dtype() itself is right"
-    gap = "test_cache.py::test_cache_codes_dtype"
-
     def make_cache(self, config):
         return _U16At256Cache(config)
 
@@ -197,10 +168,6 @@ class _TrimKeepsCountsCache(_SameClassOnLoad, ReferenceCache):
 
 
 class TrimKeepsCodeCounts(Mutant):
-    expected_clause = "CACHE-TRIM"
-    bug = "trim rolls back keys, values, codes and offset but not the per-code counts the sort-free (GPU) top-k walks"
-    gap = "test_cache.py::test_trim_rollback"
-
     def make_cache(self, config):
         return _TrimKeepsCountsCache(config)
 
@@ -216,10 +183,6 @@ class _TrimZeroCache(_SameClassOnLoad, ReferenceCache):
 
 
 class TrimZeroClears(Mutant):
-    expected_clause = "CACHE-TRIM"
-    bug = "trim slices buffers with [:-n]; trim(0) (speculative decoding, every draft accepted) empties the cache"
-    gap = "test_cache.py::test_trim_rollback"
-
     def make_cache(self, config):
         return _TrimZeroCache(config)
 
@@ -246,21 +209,11 @@ class _SaveDropsBCache(_SaveDropsParamCache):
 
 
 class SaveDropsWindow(Mutant):
-    expected_clause = "CACHE-SAVE"
-    bug = "save/load does not store the window w; a loaded cache uses the default w = 64"
-    gap = "test_cache.py::test_save_load_roundtrip"
-    expected_cause = "load-resets-parameter"
-
     def make_cache(self, config):
         return _SaveDropsWindowCache(config)
 
 
 class SaveDropsB(Mutant):
-    expected_clause = "CACHE-SAVE"
-    bug = "save/load does not store the far position b; a loaded cache uses the default b = 2048"
-    gap = "test_cache.py::test_save_load_roundtrip"
-    expected_cause = "load-resets-parameter"
-
     def make_cache(self, config):
         return _SaveDropsBCache(config)
 
@@ -281,10 +234,6 @@ class _PrefillRowZeroCache(_SameClassOnLoad, ReferenceCache):
 
 
 class BatchedPrefillRowZero(Mutant):
-    expected_clause = "CACHE-BATCH"
-    bug = "batched prefill attends every row's queries to row 0's keys and values (k[:1] broadcast over the batch)"
-    gap = "test_cache.py::test_batched_decode_rows"
-
     def make_cache(self, config):
         return _PrefillRowZeroCache(config)
 
@@ -301,11 +250,6 @@ class _SaveRowZeroCache(_SameClassOnLoad, ReferenceCache):
 
 
 class SaveBatchRowZero(Mutant):
-    expected_clause = "CACHE-SAVE"
-    bug = "save of a batched cache keeps row 0 only (keys[0]); load gives every row row 0's keys, values and codes"
-    gap = "test_cache.py::test_save_load_batched_rows"
-    expected_cause = "load-keeps-row-zero"
-
     def make_cache(self, config):
         return _SaveRowZeroCache(config)
 
@@ -318,10 +262,6 @@ class _PositionsOneBasedCache(_SameClassOnLoad, ReferenceCache):
 
 
 class PositionsOneBased(Mutant):
-    expected_clause = "CACHE-TRIM"
-    bug = "positions() reports 1 .. offset instead of 0 .. offset - 1 (both caches of the trim test agreed)"
-    gap = "test_cache.py::test_trim_rollback"
-
     def make_cache(self, config):
         return _PositionsOneBasedCache(config)
 
@@ -336,10 +276,6 @@ class _CodesWidenOnGrowthCache(_SameClassOnLoad, ReferenceCache):
 
 
 class CodesWidenOnGrowth(Mutant):
-    expected_clause = "CODES-DTYPE"
-    bug = "codes buffer grown past 256 tokens with int32 zeros (concatenate promotes): codes int32 from token 257 on"
-    gap = "test_cache.py::test_cache_codes_dtype"
-
     def make_cache(self, config):
         return _CodesWidenOnGrowthCache(config)
 
@@ -357,15 +293,7 @@ class _DecodeSkipsPendingCache(_SameClassOnLoad, ReferenceCache):
             del c._assign_pending
 
 
-# Not a gap mutant: the reference codes every multi-token append as it is written, so the only tokens pending at a
-# decode are single appends inside the window, whose codes no selection reads; a cache of this kind shows the bug
-# only where more than w single tokens are written between decodes. Kept for the diagnosis's deviation.
 class DecodeSkipsPendingCodes(Mutant):
-    expected_clause = "CACHE-DECODE"
-    bug = "lazily coded tokens are coded by codes() but not by decode, which scores them as code 0"
-    gap = "test_cache.py::test_generation_steps"
-    expected_cause = "decode-scores-uncoded"
-
     def make_cache(self, config):
         return _DecodeSkipsPendingCache(config)
 
@@ -394,11 +322,6 @@ class _StaleQueryAngleCache(_SameClassOnLoad, ReferenceCache):
 
 
 class StaleQueryAngle(Mutant):
-    expected_clause = "CACHE-DECODE"
-    bug = "the far query's de-rotation angle cached at the first decode: every later decode scores as at that position"
-    gap = "test_cache.py::test_generation_steps"
-    expected_cause = "query-angle-stale"
-
     def make_cache(self, config):
         return _StaleQueryAngleCache(config)
 
@@ -415,10 +338,6 @@ class _LoadKeepsCallerOffsetCache(ReferenceCache):
 
 
 class LoadKeepsCallerOffset(Mutant):
-    expected_clause = "CACHE-SAVE"
-    bug = "load() takes the offset of the cache it is called on, not the file's: a fresh cache loads an empty cache"
-    gap = "test_cache.py::test_save_load_roundtrip"
-
     def make_cache(self, config):
         return _LoadKeepsCallerOffsetCache(config)
 
@@ -445,10 +364,6 @@ class _SaveTrimmedTailCache(ReferenceCache):
 
 
 class SaveKeepsTrimmedTokens(Mutant):
-    expected_clause = "CACHE-SAVE"
-    bug = "save() writes tokens up to a high-water mark trim does not lower: trimmed draft tokens come back on load"
-    gap = "test_cache.py::test_save_load_roundtrip"
-
     def make_cache(self, config):
         return _SaveTrimmedTailCache(config)
 
@@ -470,10 +385,6 @@ class _BatchOneSqueezedCache(_SameClassOnLoad, ReferenceCache):
 
 
 class BatchOneSqueezed(Mutant):
-    expected_clause = "CACHE-BATCH"
-    bug = "a batched cache with batch = 1 returns its arrays without the leading batch axis (squeezed)"
-    gap = "test_cache.py::test_batched_decode_rows"
-
     def make_cache(self, config):
         return _BatchOneSqueezedCache(config)
 
@@ -489,10 +400,5 @@ class _Float16LutOperandCache(_SameClassOnLoad, ReferenceCache):
 
 
 class CacheFloat16LutOperand(Mutant):
-    expected_clause = "CACHE-DECODE"
-    bug = "the cache's LUT operand (C transposed) held in float16: the decode ranks near ties by float16 codewords"
-    gap = "test_cache_near_ties.py::test_cache_decode_near_ties"
-    expected_cause = "float16-lut"
-
     def make_cache(self, config):
         return _Float16LutOperandCache(config)

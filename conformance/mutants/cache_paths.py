@@ -38,10 +38,6 @@ class _HostPathHeadZeroCache(_SameClassOnLoad, ReferenceCache):
 
 
 class HostPathHeadZero(Mutant):
-    expected_clause = "CACHE-DECODE"
-    coverage_item = "host selection"
-    bug = "host selection path (>= HOST_SELECT_MIN candidates) ranks every head of a GQA group by the first head's scores"
-
     def make_cache(self, config):
         return _HostPathHeadZeroCache(config)
 
@@ -104,10 +100,6 @@ class _CodesPostRopeCache(_PatchedCache):
 
 
 class FastRopeCodesPostRope(Mutant):
-    expected_clause = "CACHE-FAR-CODES"
-    bug = "with the model's own RoPE (fast_rope), codes are assigned from the post-RoPE keys (no de-rotation)"
-    gap = "test_cache.py::test_decode_matches_oracle"
-
     def make_cache(self, config):
         return _CodesPostRopeCache(config)
 
@@ -121,10 +113,6 @@ class _BatchFirstPositionCache(_PatchedCache):
 
 
 class FastRopeBatchFirstPosition(Mutant):
-    expected_clause = "CACHE-FAR-CODES"
-    bug = "with the model's own RoPE, every key of a coding batch is de-rotated at the batch's first position"
-    gap = "test_cache.py::test_decode_matches_oracle"
-
     def make_cache(self, config):
         return _BatchFirstPositionCache(config)
 
@@ -135,10 +123,6 @@ class _TraditionalIgnoredCache(_PatchedCache):
 
 
 class FastRopeTraditionalIgnored(Mutant):
-    expected_clause = "CACHE-FAR-CODES"
-    bug = "with the model's own RoPE, keys are de-rotated in the half-split layout whatever `traditional` says"
-    gap = "test_cache.py::test_codes_do_not_depend_on_position"
-
     def make_cache(self, config):
         return _TraditionalIgnoredCache(config)
 
@@ -152,10 +136,6 @@ class _Bf16PositionsFastRopeCache(_PatchedCache):
 
 
 class FastRopePositionsBfloat16(Mutant):
-    expected_clause = "CACHE-FAR-CODES"
-    bug = "with the model's own RoPE, key positions pass through bfloat16 before the de-rotation (wrong past 256)"
-    gap = "test_cache.py::test_long_positions"
-
     def make_cache(self, config):
         return _Bf16PositionsFastRopeCache(config)
 
@@ -175,10 +155,6 @@ class _QueryAngleNextCache(_PatchedCache):
 
 
 class FastRopeQueryAngleNext(Mutant):
-    expected_clause = "CACHE-DECODE"
-    bug = "with the model's own RoPE, the decode query is de-rotated at offset (the next token), not offset - 1"
-    gap = "test_cache.py::test_decode_matches_oracle"
-
     def make_cache(self, config):
         return _QueryAngleNextCache(config)
 
@@ -209,10 +185,6 @@ class _OneTiedTooFewCache(_PatchedCache):
 
 
 class HostTopkOneTiedTooFew(Mutant):
-    expected_clause = "CACHE-DECODE"
-    bug = "host top-k (>= HOST_SELECT_MIN candidates) takes one token too few of a tie at a head's k-th score"
-    gap = "test_cache.py::test_host_selection_path"
-
     def make_cache(self, config):
         return _OneTiedTooFewCache(config)
 
@@ -231,10 +203,5 @@ class _HostPrefillStartAlignedCache(_PatchedCache):
 
 
 class HostPrefillStartAligned(Mutant):
-    expected_clause = "CACHE-CHUNK"
-    bug = "host prefill (>= HOST_PREFILL_MIN query x key pairs, through the hook) masks queries start-aligned: " \
-          "a later chunk's query t sees keys <= t instead of <= offset + t"
-    gap = "test_cache.py::test_long_prefill_chunks"
-
     def make_cache(self, config):
         return _HostPrefillStartAlignedCache(config)

@@ -14,9 +14,6 @@ from a2ats_conformance.mutants.base import Mutant, _np
 
 
 class TopkCeil(Mutant):
-    expected_clause = "RET-TOPK"
-    bug = "top-k count rounded up (ceil) instead of the authors' int()"
-
     def topk_count(self, T, topk, n_candidates=None):
         if isinstance(topk, float):
             n = int(math.ceil(topk * T))
@@ -25,9 +22,6 @@ class TopkCeil(Mutant):
 
 
 class UnionMissing(Mutant):
-    expected_clause = "RET-SELECT"
-    bug = "no GQA union: the group's selection is the first query head's top-k only"
-
     def select_tokens(self, scores, *, n_kv_heads, **kw):
         s = np.asarray(scores)
         G = s.shape[-2] // n_kv_heads
@@ -35,9 +29,6 @@ class UnionMissing(Mutant):
 
 
 class CompressionOnly(Mutant):
-    expected_clause = "RET-DECODE"
-    bug = "VeloxQuant-style compression-only attention: quantized keys C[code] (re-rotated) fed to attention"
-
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
                     scale=None, return_mask=False):
         out, mask = self._ref.decode_step(q_post, k_post, v, codes, C, query_pos=query_pos, b=b, w=w, sinks=sinks,
@@ -51,10 +42,6 @@ class CompressionOnly(Mutant):
 
 
 class FarQueryInAttention(Mutant):
-    expected_clause = "RET-DECODE"
-    bug = ("far-position query in exact attention: q R_b against keys at their true positions (relative position "
-           "b - j), as the authors' kernel path vqkey/models/llama.py does")
-
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
                     scale=None, return_mask=False):
         out, mask = self._ref.decode_step(q_post, k_post, v, codes, C, query_pos=query_pos, b=b, w=w, sinks=sinks,
@@ -67,10 +54,6 @@ class FarQueryInAttention(Mutant):
 
 
 class Float16Lut(Mutant):
-    expected_clause = "RET-DECODE"
-    coverage_item = "near ties"
-    bug = "LUT computed in float16 (q_b and C rounded to float16, float16 scores): near ties ranked wrongly"
-
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
                     scale=None, return_mask=False):
         qb = _np(self._ref.far_query(q_post, b=b, inv_freqs=inv_freqs, traditional=traditional,
@@ -87,11 +70,6 @@ class Float16Lut(Mutant):
 
 
 class TopkFloat32(Mutant):
-    expected_clause = "RET-TOPK"
-    bug = "top-k count from a float32 product, int(float32(topk) * float32(T)), as the authors' PyTorch computes it"
-    gap = "test_retrieval.py::test_topk_count_matches_oracle"
-    expected_cause = "topk-float32"
-
     def topk_count(self, T, topk, n_candidates=None):
         if isinstance(topk, float):
             n = int(np.float32(topk) * np.float32(T))
@@ -100,20 +78,12 @@ class TopkFloat32(Mutant):
 
 
 class SelectClampsQueryPos(Mutant):
-    expected_clause = "INPUT-ERRORS"
-    bug = "select_tokens clamps query_pos into [0, T - 1] instead of raising ValueError"
-    gap = "test_input_errors.py::test_select_tokens_rejects_query_pos_out_of_range"
-
     def select_tokens(self, scores, *, query_pos, **kw):
         T = np.asarray(scores).shape[-1]
         return self._ref.select_tokens(scores, query_pos=min(max(int(query_pos), 0), T - 1), **kw)
 
 
 class TokenScoresClipsCodes(Mutant):
-    expected_clause = "INPUT-ERRORS"
-    bug = "token_scores gathers with clipped indices (mx.take does no bounds check): a code >= K reads LUT[K - 1]"
-    gap = "test_input_errors.py::test_token_scores_rejects_codes_out_of_range"
-
     def token_scores(self, lut, codes):
         K = np.asarray(lut).shape[-1]
         c = np.asarray(codes)
@@ -121,20 +91,12 @@ class TokenScoresClipsCodes(Mutant):
 
 
 class DecodeClampsQueryPos(Mutant):
-    expected_clause = "INPUT-ERRORS"
-    bug = "decode_step clamps query_pos into [0, T - 1] (the cache's length) instead of raising ValueError"
-    gap = "test_input_errors.py::test_decode_step_rejects_query_pos_out_of_range"
-
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, **kw):
         T = np.asarray(k_post).shape[-2]
         return self._ref.decode_step(q_post, k_post, v, codes, C, query_pos=min(max(int(query_pos), 0), T - 1), **kw)
 
 
 class DecodeWrapsCodes(Mutant):
-    expected_clause = "INPUT-ERRORS"
-    bug = "decode_step reduces codes modulo K (a wrapping gather) instead of raising ValueError on codes outside [0, K)"
-    gap = "test_input_errors.py::test_decode_step_rejects_codes_out_of_range"
-
     def decode_step(self, q_post, k_post, v, codes, C, **kw):
         K = np.asarray(C).shape[-2]
         c = np.asarray(codes)
@@ -142,11 +104,6 @@ class DecodeWrapsCodes(Mutant):
 
 
 class DecodeIgnoresScale(Mutant):
-    expected_clause = "RET-DECODE"
-    bug = "decode_step drops its scale argument (always 1/sqrt(d)), e.g. Gemma's query_pre_attn_scalar ignored"
-    gap = "test_retrieval.py::test_decode_step_matches_oracle"
-    expected_cause = "attention-scale-wrong"
-
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
                     scale=None, return_mask=False):
         return self._ref.decode_step(q_post, k_post, v, codes, C, query_pos=query_pos, b=b, w=w, sinks=sinks,
@@ -155,11 +112,6 @@ class DecodeIgnoresScale(Mutant):
 
 
 class LutPostRopeQuery(Mutant):
-    expected_clause = "RET-DECODE"
-    bug = "LUT query is the post-RoPE query times R_b (q_post R_b = q_pre R_{i+b}): never de-rotated from position i"
-    gap = "test_retrieval.py::test_decode_step_matches_oracle"
-    expected_cause = "query-not-derotated"
-
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, b, w, sinks, topk, inv_freqs, traditional,
                     scale=None, return_mask=False):
         qb = _o.far_query(_np(q_post), b=b, inv_freqs=_np(inv_freqs), traditional=traditional)   # positions left out
@@ -171,11 +123,6 @@ class LutPostRopeQuery(Mutant):
 
 
 class TopkOverCandidates(Mutant):
-    expected_clause = "RET-SELECT"
-    bug = "top-k count int(topk * #candidates) (the i + 1 visible tokens less sinks and window), not int(topk * (i + 1))"
-    gap = "test_retrieval.py::test_select_tokens_is_an_allowed_selection"
-    expected_cause = "topk-over-candidates"
-
     def select_tokens(self, scores, *, n_kv_heads, query_pos, w, sinks, topk):
         j = np.arange(np.asarray(scores).shape[-1])
         i = int(query_pos)
@@ -187,12 +134,6 @@ class TopkOverCandidates(Mutant):
 
 
 class SelectBatchedStridedGroups(Mutant):
-    expected_clause = "RET-SELECT"
-    bug = ("select_tokens on scores with leading dims groups query heads strided (h % n_kv, a tile for a repeat) "
-           "instead of h // G; (n_q, T) scores are grouped right")
-    gap = "test_retrieval.py::test_select_tokens_is_an_allowed_selection"
-    expected_cause = "gqa-strided-groups"
-
     def select_tokens(self, scores, *, n_kv_heads, **kw):
         s = np.asarray(scores)
         if s.ndim > 2:
@@ -203,10 +144,6 @@ class SelectBatchedStridedGroups(Mutant):
 
 
 class TopkOneIsAFraction(Mutant):
-    expected_clause = "RET-TOPK"
-    bug = "topk_count tests `topk <= 1` for a fraction: the int 1 (one token) is read as 1.0, all T tokens"
-    gap = "test_retrieval.py::test_topk_count_matches_oracle"
-
     def topk_count(self, T, topk, n_candidates=None):
         if not isinstance(topk, bool) and topk <= 1:
             topk = float(topk)
@@ -214,12 +151,6 @@ class TopkOneIsAFraction(Mutant):
 
 
 class OwnTokenAtCountZero(Mutant):
-    expected_clause = "RET-SELECT"
-    bug = ("the never-empty rule fires whenever the top-k count is 0: with w = 0 the query's own token is added "
-           "although sinks are selected")
-    gap = "test_retrieval.py::test_select_tokens_is_never_empty"
-    expected_cause = "never-empty-beside-sinks"
-
     def select_tokens(self, scores, *, n_kv_heads, query_pos, w, sinks, topk):
         mask = np.array(self._ref.select_tokens(scores, n_kv_heads=n_kv_heads, query_pos=query_pos, w=w, sinks=sinks,
                                                 topk=topk))
@@ -231,21 +162,11 @@ class OwnTokenAtCountZero(Mutant):
 
 
 class DecodeQueryAtLastToken(Mutant):
-    expected_clause = "RET-DECODE"
-    bug = "decode_step takes the query position from the keys' length (i = T − 1) and ignores query_pos"
-    gap = "test_retrieval.py::test_decode_step_query_before_the_last_token"
-    expected_cause = "decode-query-at-last-token"
-
     def decode_step(self, q_post, k_post, v, codes, C, *, query_pos, **kw):
         return self._ref.decode_step(q_post, k_post, v, codes, C, query_pos=np.asarray(k_post).shape[-2] - 1, **kw)
 
 
 class AttentionEmptyRowAverages(Mutant):
-    expected_clause = "INPUT-ERRORS"
-    bug = ("retrieval_attention fills unselected logits with -1e9: a KV head that selects nothing averages all its "
-           "values instead of raising ValueError")
-    gap = "test_input_errors_b.py::test_retrieval_and_codebook_inputs_are_checked"
-
     def retrieval_attention(self, q, k, v, mask, *, scale=None):
         m = np.asarray(mask)
         if m.dtype != np.bool_ or m.any(axis=-1).all():
@@ -260,10 +181,6 @@ class AttentionEmptyRowAverages(Mutant):
 
 
 class AttentionBatchRowZeroMask(Mutant):
-    expected_clause = "RET-ATTN"
-    bug = "retrieval_attention with leading dims applies the first row's mask to every row (mask[0] broadcast)"
-    gap = "test_retrieval.py::test_retrieval_attention_matches_oracle"
-
     def retrieval_attention(self, q, k, v, mask, *, scale=None):
         m = np.asarray(mask)
         if m.ndim > 2:
@@ -272,10 +189,6 @@ class AttentionBatchRowZeroMask(Mutant):
 
 
 class GroupUnionFirst8Heads(Mutant):
-    expected_clause = "RET-SELECT"
-    bug = "the GQA union keeps an 8-lane head mask: in groups of 9-16 query heads only the first 8 heads' top-k count"
-    gap = "test_retrieval.py::test_select_tokens_is_an_allowed_selection"
-
     def select_tokens(self, scores, *, n_kv_heads, **kw):
         s = np.asarray(scores)
         G = s.shape[-2] // n_kv_heads
@@ -286,11 +199,6 @@ class GroupUnionFirst8Heads(Mutant):
 
 
 class Float16ScaleDropped(Mutant):
-    expected_clause = "RET-ATTN"
-    bug = "with float16 inputs (a separate half-precision kernel) retrieval attention ignores an explicit scale and " \
-          "uses 1/sqrt(d)"
-    gap = "test_retrieval.py::test_retrieval_attention_matches_oracle"
-
     def retrieval_attention(self, q, k, v, mask, *, scale=None):
         if np.asarray(q).dtype == np.float16:
             scale = None

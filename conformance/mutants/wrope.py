@@ -9,9 +9,6 @@ from a2ats_conformance.mutants.base import Mutant
 
 
 class DerotateScalarOffset(Mutant):
-    expected_clause = "EQ-12"
-    bug = "far keys de-rotated as a block by the first token's position (mx.fast.rope(offset=-p0) style)"
-
     def far_keys(self, k_post, positions, inv_freqs, *, traditional):
         p = np.asarray(positions)
         p0 = np.full_like(p, p.reshape(-1)[0]) if p.size else p
@@ -19,35 +16,21 @@ class DerotateScalarOffset(Mutant):
 
 
 class WindowOffByOne(Mutant):
-    expected_clause = "EQ-11"
-    bug = "near/far boundary off by one: i - j <= w counted as near"
-
     def wrope_scores(self, q, k, *, w, b, **kw):
         return self._ref.wrope_scores(q, k, w=w + 1, b=b, **kw)
 
 
 class BTiedToW(Mutant):
-    expected_clause = "EQ-11"
-    bug = "far position b tied to the window: far tokens scored with R_w instead of R_b"
-
     def wrope_scores(self, q, k, *, w, b, **kw):
         return self._ref.wrope_scores(q, k, w=w, b=w, **kw)
 
 
 class FarKeysRotated(Mutant):
-    expected_clause = "EQ-12"
-    bug = "far keys left rotated (post-RoPE key used as the position-free key)"
-
     def far_keys(self, k_post, positions, inv_freqs, *, traditional):
         return np.array(k_post, copy=True)
 
 
 class WropeDefaultRightAligned(Mutant):
-    expected_clause = "EQ-11"
-    bug = ("positions left out: queries right-aligned to the keys (Tk - Tq + arange(Tq), as in a decode) instead of "
-           "arange(Tq)")
-    gap = "test_eq11_eq12_wrope.py::test_wrope_scores_leading_dims_and_default_positions"
-
     def wrope_scores(self, q, k, *, q_positions=None, k_positions=None, **kw):
         Tq, Tk = np.shape(q)[-2], np.shape(k)[-2]
         if q_positions is None and Tk >= Tq:
@@ -56,10 +39,6 @@ class WropeDefaultRightAligned(Mutant):
 
 
 class FarQueryScalarAsOffset(Mutant):
-    expected_clause = "EQ-12"
-    bug = "far_query takes an int position as an offset (mx.fast.rope style): query head h moved by b - (p + h)"
-    gap = "test_eq11_eq12_wrope.py::test_far_side_leading_dims_and_position_forms"
-
     def far_query(self, q, *, b, inv_freqs, traditional, positions=None):
         if positions is not None and np.ndim(positions) == 0:
             positions = int(positions) + np.arange(np.shape(q)[-2])
@@ -67,11 +46,6 @@ class FarQueryScalarAsOffset(Mutant):
 
 
 class FarKeysFlattenedHeads(Mutant):
-    expected_clause = "EQ-12"
-    bug = ("far_keys flattens (n_kv, T, d) to rows and pairs them with np.repeat(positions, n_kv) (np.tile is the "
-           "right order): heads' keys de-rotated at other tokens' positions")
-    gap = "test_eq11_eq12_wrope.py::test_far_side_leading_dims_and_position_forms"
-
     def far_keys(self, k_post, positions, inv_freqs, *, traditional):
         k, p = np.asarray(k_post), np.asarray(positions)
         if k.ndim > 2 and p.ndim == 1:

@@ -588,27 +588,30 @@ def test_batched_decode_rows(ctx, setup, B, T, split):
 
 
 @pytest.mark.clause("CACHE-DECODE", "CACHE-FAR-CODES", requires={"cache_ops": "decode"})
-@given(setup=cache_setup(), T=st.integers(1, 16), steps=st.integers(2, 4))
-def test_generation_steps(ctx, setup, T, steps):
-    """Generation as mlx-lm runs it: a prompt of T tokens written at once and decoded, then `steps` tokens
-    written one at a time, each decoded right after it is written. Every decode is an allowed decode of the
-    oracle cache at its own position (query at offset - 1): the far query de-rotated from the current position,
-    not from an earlier decode's; every token written so far coded, before codes() is ever read."""
+@given(setup=cache_setup(), T=st.integers(1, 16), bursts=st.lists(st.integers(1, 9), min_size=2, max_size=4))
+def test_generation_steps(ctx, setup, T, bursts):
+    """Generation as mlx-lm runs it: a prompt of T tokens written at once and decoded, then, for each burst, that
+    many tokens written one at a time and one decode after them (one token per decode in plain generation; more
+    where a speculative draft is accepted or a prompt is fed token by token, so that single writes can leave the
+    window before any decode reads them). Every decode is an allowed decode of the oracle cache at its own position
+    (query at offset - 1): the far query de-rotated from the current position, not from an earlier decode's;
+    every token written so far coded, before codes() is ever read."""
     config, rng, notes = setup
-    ctx.note(**notes, T=T, steps=steps)
+    ctx.note(**notes, T=T, bursts=bursts)
     c = CacheCalls(ctx, config)
     orc = _oracle_cache(c)
     _, k, v = _tokens(ctx, config, rng, 0, T)
     c.append(k, v)
     orc.append(k, v)
-    for s in range(steps + 1):
-        if s:
+    for s, n in enumerate([0, *bursts]):
+        for _ in range(n):
             _, k, v = _tokens(ctx, config, rng, orc.offset, 1)
             c.append(k, v)
             orc.append(k, v)
         pos = orc.offset - 1
         _check_cache_decode(ctx, c, orc, _query(ctx, config, rng, pos), "CACHE-DECODE",
-                            what=f"decode {s} of the generation (prompt {T} tokens, query at position {pos}): ")
+                            what=f"decode {s} of the generation (prompt {T} tokens, bursts {bursts}, query at "
+                                 f"position {pos}): ")
 
 
 #: Starting positions of the long-context test: past one 256-token buffer, past float16's exact integers

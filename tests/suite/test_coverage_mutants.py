@@ -1,6 +1,6 @@
 """Each coverage property kills the mutant it was written for, on its clause.
 
-The mutants (a2ats_conformance.mutants.COVERAGE_MUTANTS) are bugs in paths a suite can leave unreached (float16
+The mutants (the catalogue's coverage group, a2ats_conformance.mutants.COVERAGE_MUTANTS) are bugs in paths a suite can leave unreached (float16
 LUTs, batch rows, long positions, the host path's heads, chunked prefill). The suite must reject each one, and its
 diagnosis must name the mutant's own deviation.
 """
@@ -11,29 +11,17 @@ import pytest
 from a2ats_conformance.diagnosis.deviations import by_id
 from a2ats_conformance.mutants import COVERAGE_MUTANTS, MUTANTS
 
-#: coverage mutant -> the known deviation (conformance/diagnosis/deviations.py) it embodies: its failing clause must
-#: name it
-COVERAGE_CAUSES = {
-    "Float16Lut": "float16-lut",
-    "BatchRowsReadRowZero": "batch-rows-share-row-zero-selection",
-    "PositionsLowPrecision": "positions-low-precision",
-    "HostPathHeadZero": "gqa-one-head",
-    "ChunkRerotated": "chunk-keys-rerotated",
-}
-
-
 @pytest.mark.parametrize("name", sorted(COVERAGE_MUTANTS))
 def test_coverage_mutant_is_rejected_on_its_clause(rejected_on_its_clause, name):
     verdict = rejected_on_its_clause(name)
     causes = [c["id"] for c in verdict["counterexample"].get("likely_causes") or []]
-    assert COVERAGE_CAUSES[name] in causes, (name, causes)    # diagnosis names the mutant's own bug
+    assert COVERAGE_MUTANTS[name].expected_cause in causes, (name, causes)    # diagnosis names the mutant's own bug
 
 
 def test_coverage_mutants_are_their_own_set():
-    """A separate dict: tests/suite/test_mutants.py keeps its own list; every coverage mutant names its item."""
+    """A group of its own; every coverage mutant names its item and the known deviation its failure must name."""
     assert not set(COVERAGE_MUTANTS) & set(MUTANTS)
-    assert sorted(COVERAGE_CAUSES) == sorted(COVERAGE_MUTANTS)
-    for dev in COVERAGE_CAUSES.values():
-        by_id(dev)
+    for cls in COVERAGE_MUTANTS.values():
+        by_id(cls.expected_cause)
     items = {cls.coverage_item for cls in COVERAGE_MUTANTS.values()}
     assert items == {"near ties", "CACHE-BATCH", "positions", "host selection", "CACHE-CHUNK"}

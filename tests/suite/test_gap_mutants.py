@@ -17,7 +17,7 @@ def test_gap_mutant_is_rejected_on_its_clause(rejected_on_its_clause, name):
     verdict = rejected_on_its_clause(name)
     cex = verdict["counterexample"]
     assert any(t.split("[")[0] == cls.gap for t in verdict["failed_tests"]), (cls.gap, verdict["failed_tests"])
-    cause = getattr(cls, "expected_cause", None)
+    cause = cls.expected_cause
     if cause:
         assert cause in [c["id"] for c in cex.get("likely_causes") or []], (name, cex.get("likely_causes"))
 
@@ -27,5 +27,5 @@ def test_gap_mutants_are_their_own_set():
     assert not set(GAP_MUTANTS) & (set(MUTANTS) | set(COVERAGE_MUTANTS))
     for cls in GAP_MUTANTS.values():
         assert cls.expected_clause and cls.bug and "::" in cls.gap, cls
-        if getattr(cls, "expected_cause", None):
+        if cls.expected_cause:
             by_id(cls.expected_cause)

@@ -9,27 +9,11 @@ from a2ats_conformance.mutants import MUTANTS
 from a2ats_conformance.diagnosis.deviations import by_id
 from a2ats_conformance.diagnosis.repro import load_counterexample, replay
 
-#: mutant -> the known deviation (conformance/diagnosis/deviations.py) it embodies: its failing clause must name it
-MUTANT_CAUSES = {
-    "DerotateScalarOffset": "derotate-scalar-position",
-    "WindowOffByOne": "window-inclusive",
-    "BTiedToW": "b-tied-to-w",
-    "FarKeysRotated": "codes-from-post-rope-keys",
-    "LTransposed": "l-transposed",
-    "HNotPooled": "h-one-head",
-    "CosineBlend": "cosine-blend",
-    "TopkCeil": "topk-rounded-up",
-    "UnionMissing": "gqa-one-head",
-    "CompressionOnly": "quantized-keys-in-attention",
-    "FarQueryInAttention": "far-query-in-attention",
-    "TrimForgetsPositions": "trim-keeps-position-counter",
-}
-
-
 def test_every_mutant_has_a_known_cause():
-    assert sorted(MUTANT_CAUSES) == sorted(MUTANTS)
-    for dev in MUTANT_CAUSES.values():
-        by_id(dev)
+    """Each shipped mutant implements a catalogue record, whose known deviation its failure must name first."""
+    for name, cls in MUTANTS.items():
+        assert cls.record and cls.expected_cause, name
+        by_id(cls.expected_cause)
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
@@ -44,6 +28,6 @@ def test_mutant_is_rejected_on_its_clause(rejected_on_its_clause, capsys, name):
     assert any(r["diffs"] for r in rows), rows                     # and shows where the port leaves the oracle
     assert [r["fn"] for r in rows] == [c[0] for c in calls]
     causes = cex.get("likely_causes")                          # diagnosis names the mutant's own bug first
-    assert causes and causes[0]["id"] == MUTANT_CAUSES[name], (name, causes)
+    assert causes and causes[0]["id"] == MUTANTS[name].expected_cause, (name, causes)
     table = capsys.readouterr().out                            # the terminal table names it too
-    assert f"[{MUTANT_CAUSES[name]}]" in table and "likely cause: " in table, table
+    assert f"[{MUTANTS[name].expected_cause}]" in table and "likely cause: " in table, table
