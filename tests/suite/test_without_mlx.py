@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tomllib
 from importlib import metadata
 from pathlib import Path
