@@ -8,8 +8,9 @@ carry their own:
 
 - ``group``: ``shipped`` (the twelve a port is most likely to have; the failure must name ``cause`` first),
   ``coverage`` (a path a thin suite leaves unreached; the failure must name ``cause``), ``gap`` (passes a suite
-  that draws only the easy cases; ``prop`` must reject it, and the failure name ``cause`` where one is given);
-- ``clause``: the clause that must reject it; ``prop``: the property ("file::test") written for it;
+  that draws only the easy cases; the failure must name ``cause`` where one is given);
+- ``clause``: the clause that must reject it; ``prop``: the property ("file::test") written for it, which must
+  reject it (every gap mutant has one; a coverage mutant where one property covers its path);
 - ``cause``: the id of the known deviation (diagnosis/deviations.py) its failure must name;
 - ``coverage_item``: the path a coverage mutant reaches; ``half_precision``: its bug shows only at float16 or
   bfloat16, so its run keeps the whole dtype matrix.
@@ -71,10 +72,10 @@ BUGS: tuple[Bug, ...] = (
     Bug('FarQueryInAttention', clause='RET-DECODE', record='attention-query:far-position'),
     # ---- coverage
     Bug('Float16Lut', clause='RET-DECODE', record='lut-precision:float16', coverage_item='near ties'),
-    Bug('BatchRowsReadRowZero', clause='CACHE-BATCH', group='coverage', description="batched decode: every row uses row 0's token selection", cause='batch-rows-share-row-zero-selection', coverage_item='CACHE-BATCH'),
-    Bug('PositionsLowPrecision', clause='CACHE-FAR-CODES', group='coverage', description='token positions held in bfloat16 when keys are de-rotated for their codes (wrong past position 256)', cause='positions-low-precision', coverage_item='positions'),
-    Bug('HostPathHeadZero', clause='CACHE-DECODE', group='coverage', description="host selection path (>= HOST_SELECT_MIN candidates) ranks every head of a GQA group by the first head's scores", cause='gqa-one-head', coverage_item='host selection'),
-    Bug('ChunkRerotated', clause='CACHE-CHUNK', group='coverage', description="chunked prefill: keys of every chunk after the first stored re-rotated by the chunk's offset", cause='chunk-keys-rerotated', coverage_item='CACHE-CHUNK'),
+    Bug('BatchRowsReadRowZero', clause='CACHE-BATCH', group='coverage', description="batched decode: every row uses row 0's token selection", cause='batch-rows-share-row-zero-selection', prop='test_cache.py::test_batched_decode_rows', coverage_item='CACHE-BATCH'),
+    Bug('PositionsLowPrecision', clause='CACHE-FAR-CODES', group='coverage', description='token positions held in bfloat16 when keys are de-rotated for their codes (wrong past position 256)', cause='positions-low-precision', prop='test_cache.py::test_long_positions', coverage_item='positions'),
+    Bug('HostPathHeadZero', clause='CACHE-DECODE', group='coverage', description="host selection path (>= HOST_SELECT_MIN candidates) ranks every head of a GQA group by the first head's scores", cause='gqa-one-head', prop='test_cache.py::test_host_selection_path', coverage_item='host selection'),
+    Bug('ChunkRerotated', clause='CACHE-CHUNK', group='coverage', description="chunked prefill: keys of every chunk after the first stored re-rotated by the chunk's offset", cause='chunk-keys-rerotated', prop='test_cache.py::test_chunked_prefill', coverage_item='CACHE-CHUNK'),
     # ---- gap
     # EQ-10 and EQ-17 (query moment, k-means)
     Bug('RidgeIgnored', clause='EQ-10', record='h-ridge:missing', prop='test_eq10_query_moment.py::test_query_moment_matches_oracle'),
