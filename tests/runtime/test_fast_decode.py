@@ -420,3 +420,20 @@ def test_conformance_checks_the_sortfree_path(tmp_path):
         ("RET-DECODE", "CACHE-DECODE", "CACHE-TRIM"), "pass")
     bad = {k: v["outcome"] for k, v in rep["tests"].items() if v["outcome"] != "passed"}
     assert not bad, bad
+
+
+@pytest.mark.clause("RET-DECODE", "RET-LUT")
+@pytest.mark.parametrize("method", ["host", "mlx", "sortfree"])
+def test_a_new_scale_reuses_the_compiled_graphs(method):
+    """The scale is data to the compiled LUT and step graphs, not part of their key: a constant baked into a graph
+    would compile its kernels again for every scale (each head dim has its own default), seconds a kernel on a
+    GPU. The output still follows the scale."""
+    q, k, v, codes, C = _case(5)
+    run = dict(query_pos=299, b=2048, w=16, sinks=4, topk=0.1, traditional=False, method=method,
+               inv_freqs=oracle.rope_inv_freqs(16, 1e4))
+    fns = (fd._lut_fn, fd._sortfree_step_fn)
+    first, _ = _run(q, k, v, codes, C, "float32", scale=0.25, **run)
+    misses = [f.cache_info().misses for f in fns]
+    second, _ = _run(q, k, v, codes, C, "float32", scale=0.125, **run)
+    assert [f.cache_info().misses for f in fns] == misses
+    assert not np.allclose(first, second)

@@ -108,8 +108,8 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
         f32 = mx.float32
         tables = applied_angle is not None
         pos = mx.stack(list(applied_angle)) if tables else mx.array(float(i), f32)
-        lut = portable._lut_fn(B, n_kv, G, d, K, bool(traditional), scale, tables)(
-            queries, CT, inv.astype(f32), mx.array(float(b), f32), pos)
+        lut = portable._lut_fn(B, n_kv, G, d, K, bool(traditional), tables)(
+            queries, CT, inv.astype(f32), mx.array(float(b), f32), pos, mx.array(scale, f32))
         if method == "host":
             # a float16 cache's portable.F16_QUERY_BOUND check rides on the LUT's sync (float32 caches skip it)
             q_abs = [mx.abs(queries).max()] if mx.float16 in (keys.dtype, values.dtype) else []
@@ -163,7 +163,7 @@ def _decode_sortfree(queries, keys, values, codes, CT, inv, *, cuda=False, i, b,
     tables = applied_angle is not None
     pos = mx.stack(list(applied_angle)) if tables else mx.array(float(i), f32)
     fn = portable._sortfree_step_fn(B, n_q, n_kv, d, values.shape[-1], K, T_buf, T_codes, S, len(forced), traditional,
-                           scale, tables, kept, sinks, w, portable._lanes())
+                                    tables, kept, sinks, w, portable._lanes())
     # no empty array enters the GPU graph (MLX CUDA 0.32 mishandles them); with F = 0 the step ignores it
     forced_in = forced_idx if len(forced) else mx.zeros((1,), dtype=i32)
     out, idx, keep = fn(queries, keys, values, codes, CT, inv.astype(f32), mx.array(float(b), f32), pos,

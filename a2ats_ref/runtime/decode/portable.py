@@ -147,14 +147,16 @@ def selection_size(T: int, *, n_q: int, n_kv: int, w: int, sinks: int, topk) -> 
 
 
 @lru_cache(maxsize=64)
-def _lut_fn(B, n_kv, G, d, K, traditional, scale, tables=False):
+def _lut_fn(B, n_kv, G, d, K, traditional, tables=False):
     """Compiled: post-RoPE q (B, n_q, 1, d) -> LUT (B·n_kv, G, K) float32 of scale · q R_{b-i} · C.
 
     tables=True: `pos` is (cos, sin) of the angle the model's mx.fast.rope applied (EQ-12 on the device).
+    The scale enters as a float32 array: a Python float would be a constant of the compiled graph, and each
+    new scale (every head dim has its own default) would compile its kernels again (seconds each on a GPU).
     """
     BH = B * n_kv
 
-    def lut(q, CT, inv_freqs, b, pos):
+    def lut(q, CT, inv_freqs, b, pos, scale):
         q = q.reshape(B, n_kv, G, d).astype(mx.float32)
         if tables:
             q = rotate_by_tables(q, pos[0], pos[1], traditional, -1.0)
@@ -565,7 +567,7 @@ def _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes=(None,), host_softmax=False,
 
 
 @lru_cache(maxsize=64)
-def _sortfree_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional, scale, tables, kept, sinks, w,
+def _sortfree_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional, tables, kept, sinks, w,
                       lanes=(None,)):
     """Compiled: the whole sort-free decode step, LUT -> threshold -> compaction -> gather -> attention.
 
@@ -574,12 +576,12 @@ def _sortfree_step_fn(B, n_q, n_kv, d, dv, K, T_buf, T_codes, S, F, traditional,
     from the caller (the cache keeps them), else they are counted here from the codes.
     """
     BH, G = B * n_kv, n_q // n_kv
-    lut_fn = _lut_fn(B, n_kv, G, d, K, traditional, scale, tables)
+    lut_fn = _lut_fn(B, n_kv, G, d, K, traditional, tables)
     attend = _attend_fn(B, n_q, n_kv, d, dv, T_buf, F, lanes)
 
     def step(queries, keys, values, codes, CT, inv, b, pos, counts, kk, c0, c1, counted, n_slots, forced_idx,
              scale_arr):
-        lut = lut_fn(queries, CT, inv, b, pos)
+        lut = lut_fn(queries, CT, inv, b, pos, scale_arr)
         cand = _step_counts(codes, counts, c0, c1, counted, kept=kept, BH=BH, K=K, T_codes=T_codes, sinks=sinks, w=w)
         idx, keep = _sortfree_select(lut, codes, cand, kk, c0, c1, n_slots, BH=BH, T_codes=T_codes, S=S)
         return attend(queries, keys, values, idx, keep, forced_idx, scale_arr), idx, keep

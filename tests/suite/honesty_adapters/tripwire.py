@@ -60,7 +60,7 @@ def _install():
             return BRANCHES[2] if decoding else BRANCHES[3]
     wrap(cache.A2ATSCache, "_assign_pending", pending)
     wrap(cache.A2ATSCache, "_query_angle", lambda self: BRANCHES[4] if self.fast_rope is not None else BRANCHES[5])
-    wrap(fd, "_lut_fn", lambda *a, **kw: BRANCHES[6] if (a[7] if len(a) > 7 else kw.get("tables", False)) else BRANCHES[7])
+    wrap(fd, "_lut_fn", lambda *a, **kw: BRANCHES[6] if (a[6] if len(a) > 6 else kw.get("tables", False)) else BRANCHES[7])
     wrap(fd, "_select_host", lambda *a, **kw: BRANCHES[8])
     wrap(fd, "_select_mlx_fn", lambda *a, **kw: BRANCHES[9])
     wrap(fd, "softmax_host", lambda *a, **kw: BRANCHES[10])
