@@ -168,9 +168,24 @@ def _applies(dev: Deviation, name: str) -> bool:
     return name in dev.applies or (name.startswith("cache") and "make_cache" in dev.applies)
 
 
+def _vacuous(pred) -> bool:
+    """A selection prediction that admits (nearly) every token it does not require: its model ties every
+    candidate (a cache that has coded nothing scores each token as code 0, say), so any selection of a port that
+    forces the same tokens agrees with it, whatever the port's bug."""
+    m = pred[1] if isinstance(pred, Decoded) else pred
+    must, may = getattr(m, "must", None), getattr(m, "may", None)
+    if must is None or may is None:
+        return False
+    must, may = np.asarray(must, bool), np.asarray(may, bool)
+    open_ = (may & ~must).sum(axis=-1)
+    rows = open_ > 0
+    return bool(rows.any()) and bool(np.all(open_[rows] >= 0.9 * (~must).sum(axis=-1)[rows]))
+
+
 def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict, work: list | None = None):
-    """The first variant of ``dev`` that explains the example (a Model class), else None. ``work``: a one-item
-    list that each replay adds the example's size to (diagnose's budget)."""
+    """(the first variant of ``dev`` that explains the example (a Model class), whether it explains it only
+    through vacuous selections (_vacuous)), else None. ``work``: a one-item list that each replay adds the
+    example's size to (diagnose's budget)."""
     calls, port = example["calls"], example["outputs"]
     idx = [i for i, (name, _, _) in enumerate(calls) if i in port and _applies(dev, name)]
     if not idx:
@@ -180,7 +195,7 @@ def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict, work: li
         if work is not None:
             work[0] += _size(example)
         deviant = replay(model, calls, _tie(dtype, example["clause"]), port)
-        explained, consistent = False, True
+        explained, consistent, specific = False, True, False
         for i in idx:
             if faithful[i] is _ERR:   # the spec rejects this call (INPUT-ERRORS): no computing bug explains an answer
                 continue
@@ -191,11 +206,12 @@ def _matches(dev: Deviation, example: dict, dtype: str, faithful: dict, work: li
                 continue
             if d and not o:
                 explained = True
+                specific = specific or not _vacuous(deviant[i])
             elif not d and not o:
                 consistent = False
                 break
         if explained and consistent:
-            return type(model)
+            return type(model), not specific
     return None
 
 
@@ -230,16 +246,19 @@ def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS,
         if work[0] > max_elements:
             skipped.append(dev.id)
             continue
-        which = [(e, _matches(dev, e, dtype, f, work)) for e, f in zip(usable, faithful)]
-        hits = [e for e, v in which if v is not None]
-        if hits:
-            found.append({"id": dev.id, "cause": dev.describe(hits, [v for _, v in which if v is not None]),
-                          "matched": len(hits), "of": len(usable)})
-    found.sort(key=lambda r: -r["matched"])   # stable: ties keep the library's order
+        which = [(e, m) for e, f in zip(usable, faithful) if (m := _matches(dev, e, dtype, f, work)) is not None]
+        if which:
+            found.append({"id": dev.id, "cause": dev.describe([e for e, _ in which], [v for _, (v, _) in which]),
+                          "matched": len(which), "of": len(usable),
+                          "vacuous": all(vac for _, (_, vac) in which)})
+    # stable: ties keep the library's order; a cause whose model only ever admitted any selection comes after
+    # every cause that predicted one
+    found.sort(key=lambda r: (r["vacuous"], -r["matched"]))
     # a cause that explains under half of the failing examples is not likely: it is listed as "also consistent"
-    # (a decode over a few tokens selects them all whatever the rule, so small examples agree with many causes)
+    # (a decode over a few tokens selects them all whatever the rule, so small examples agree with many causes);
+    # nor is one whose model ties every candidate, which agrees with any selection
     for r in found:
-        r["likely"] = 2 * r["matched"] >= r["of"]
+        r["likely"] = 2 * r["matched"] >= r["of"] and not r["vacuous"]
     if skipped:
         found.append({"id": None, "cause": f"diagnosis stopped after replaying {work[0]:,} input elements "
                       f"(limit {max_elements:,}); not tried: {', '.join(skipped)}", "matched": 0, "of": len(usable)})
@@ -260,6 +279,7 @@ def help_lines(causes: list[dict], n_examples: int, limit: int = 3) -> list[str]
         lines.append(f"help: no likely cause: none of the known deviations explains half of the "
                      f"{named[0]['of']} failing examples replayed")
     lines += [f"note: also consistent: {c['cause']}, matches {c['matched']}/{c['of']} failing examples [{c['id']}]"
+              + (" (its model ties every candidate there, so any selection agrees)" if c.get("vacuous") else "")
               for c in also[:limit]]
     return lines + notes
 

@@ -237,3 +237,25 @@ def test_a_cause_explaining_under_half_the_examples_is_also_consistent_not_likel
     assert (mine["matched"], mine["of"], mine["likely"]) == (1, 3, False)
     text = "\n".join(help_lines(causes, 3))
     assert "help: likely cause" not in text and "also consistent: R_b missing" in text and "1/3" in text
+
+
+def test_a_selection_that_admits_any_tokens_is_vacuous_and_never_a_likely_cause():
+    """A deviant whose model ties every candidate (a cache that coded nothing scores all tokens as code 0) admits
+    any selection: it agrees with every port, so it is no evidence, and diagnose lists it after the causes that
+    predicted a selection, as "also consistent"."""
+    from a2ats_conformance.diagnosis.deviations import _with_allowed
+    from a2ats_conformance.diagnosis.diagnose import _vacuous, help_lines
+
+    T = 200
+    must = np.zeros((2, T), bool)
+    must[:, :3] = True                                   # forced: sinks
+    everything = np.ones((2, T), bool)
+    some = must.copy()
+    some[:, 3:20] = True                                 # a tie at the cut over 17 tokens
+    assert _vacuous(_with_allowed(everything, must, everything))
+    assert not _vacuous(_with_allowed(some, must, some))
+    assert not _vacuous(_with_allowed(some, some, some))  # exact: nothing open
+    lines = help_lines([{"id": "a", "cause": "A", "matched": 2, "of": 3, "likely": True, "vacuous": False},
+                        {"id": "b", "cause": "B", "matched": 3, "of": 3, "likely": False, "vacuous": True}], 3)
+    assert lines[0].startswith("help: likely cause: A") and "also consistent: B" in lines[1], lines
+    assert "ties every candidate" in lines[1], lines
