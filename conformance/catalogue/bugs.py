@@ -1,10 +1,10 @@
 """The catalogue's index of mutant ports: one entry per class of a2ats_conformance.mutants, saying which bug it
 plants, which clause must reject it and which property does.
 
-An entry whose mutant implements a catalogue record (``record``: "mechanism:variant") takes its description,
-its known deviation and its group from that record, so the bug is described once. The other entries are
-implementation bugs that belong to no mechanism of the port profile (a batch row, a dtype, a code path), and
-carry their own:
+An entry whose mutant implements a catalogue record (the record names it; the entry's ``record`` is then that
+record's "mechanism:variant") takes its description, its known deviation and its group from that record, so the
+bug is described once. The other entries are implementation bugs that belong to no mechanism of the port
+profile (a batch row, a dtype, a code path), and carry their own:
 
 - ``group``: ``shipped`` (the twelve a port is most likely to have; the failure must name ``cause`` first),
   ``coverage`` (a path a thin suite leaves unreached; the failure must name ``cause``), ``gap`` (passes a suite
@@ -21,86 +21,85 @@ from here; tests/suite/test_mutants.py, test_coverage_mutants.py and test_gap_mu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from a2ats_conformance.catalogue import RECORDS
 
 __all__ = ["Bug", "BUGS", "GROUPS", "bug", "of_group"]
 
 GROUPS = ("shipped", "coverage", "gap")
-_RECORD = {r.key: r for r in RECORDS}
+_RECORD_OF = {r.mutant: r for r in RECORDS if r.mutant is not None}
 
 
 @dataclass(frozen=True)
 class Bug:
     mutant: str
     clause: str
-    record: str | None = None
     group: str | None = None
     description: str = ""
     cause: str | None = None
     prop: str | None = None
     coverage_item: str | None = None
     half_precision: bool = False
+    record: str | None = field(default=None, init=False)   # the key of the record naming this mutant, if one does
 
     def __post_init__(self):
-        if self.record is not None:
-            r = _RECORD[self.record]
-            assert r.mutant == self.mutant, f"record {self.record} names mutant {r.mutant}, not {self.mutant}"
+        r = _RECORD_OF.get(self.mutant)
+        if r is not None:
             assert self.group is None and not self.description and self.cause is None, \
-                f"{self.mutant}: group, description and cause come from record {self.record}"
-            object.__setattr__(self, "group", r.group)
-            object.__setattr__(self, "description", r.description)
-            object.__setattr__(self, "cause", r.deviation)
+                f"{self.mutant}: group, description and cause come from record {r.key}"
+            for name, value in (("record", r.key), ("group", r.group), ("description", r.description),
+                                ("cause", r.deviation)):
+                object.__setattr__(self, name, value)
         assert self.group in GROUPS, f"{self.mutant}: group {self.group!r}"
         assert self.description, f"{self.mutant}: no description"
 
 
 BUGS: tuple[Bug, ...] = (
     # ---- shipped
-    Bug('DerotateScalarOffset', clause='EQ-12', record='key-derotation:scalar-position'),
-    Bug('WindowOffByOne', clause='EQ-11', record='window:inclusive'),
-    Bug('BTiedToW', clause='EQ-11', record='far-position:tied-to-w'),
-    Bug('FarKeysRotated', clause='EQ-12', record='key-derotation:post-rope'),
-    Bug('LTransposed', clause='EQ-16', record='z-space:transposed'),
-    Bug('HNotPooled', clause='EQ-10', record='h-pooling:one-head'),
-    Bug('CosineBlend', clause='EQ-14', record='assignment:cosine-blend'),
-    Bug('TopkCeil', clause='RET-TOPK', record='topk-rounding:ceil'),
-    Bug('UnionMissing', clause='RET-SELECT', record='gqa-union:one-head'),
-    Bug('CompressionOnly', clause='RET-DECODE', record='attention-keys:quantized'),
-    Bug('TrimForgetsPositions', clause='CACHE-TRIM', record='cache-trim:keeps-counter'),
-    Bug('FarQueryInAttention', clause='RET-DECODE', record='attention-query:far-position'),
+    Bug('DerotateScalarOffset', clause='EQ-12'),
+    Bug('WindowOffByOne', clause='EQ-11'),
+    Bug('BTiedToW', clause='EQ-11'),
+    Bug('FarKeysRotated', clause='EQ-12'),
+    Bug('LTransposed', clause='EQ-16'),
+    Bug('HNotPooled', clause='EQ-10'),
+    Bug('CosineBlend', clause='EQ-14'),
+    Bug('TopkCeil', clause='RET-TOPK'),
+    Bug('UnionMissing', clause='RET-SELECT'),
+    Bug('CompressionOnly', clause='RET-DECODE'),
+    Bug('TrimForgetsPositions', clause='CACHE-TRIM'),
+    Bug('FarQueryInAttention', clause='RET-DECODE'),
     # ---- coverage
-    Bug('Float16Lut', clause='RET-DECODE', record='lut-precision:float16', coverage_item='near ties'),
+    Bug('Float16Lut', clause='RET-DECODE', coverage_item='near ties'),
     Bug('BatchRowsReadRowZero', clause='CACHE-BATCH', group='coverage', description="batched decode: every row uses row 0's token selection", cause='batch-rows-share-row-zero-selection', prop='test_cache.py::test_batched_decode_rows', coverage_item='CACHE-BATCH'),
     Bug('PositionsLowPrecision', clause='CACHE-FAR-CODES', group='coverage', description='token positions held in bfloat16 when keys are de-rotated for their codes (wrong past position 256)', cause='positions-low-precision', prop='test_cache.py::test_long_positions', coverage_item='positions'),
     Bug('HostPathHeadZero', clause='CACHE-DECODE', group='coverage', description="host selection path (>= HOST_SELECT_MIN candidates) ranks every head of a GQA group by the first head's scores", cause='gqa-one-head', prop='test_cache.py::test_host_selection_path', coverage_item='host selection'),
     Bug('ChunkRerotated', clause='CACHE-CHUNK', group='coverage', description="chunked prefill: keys of every chunk after the first stored re-rotated by the chunk's offset", cause='chunk-keys-rerotated', prop='test_cache.py::test_chunked_prefill', coverage_item='CACHE-CHUNK'),
     # ---- gap
     # EQ-10 and EQ-17 (query moment, k-means)
-    Bug('RidgeIgnored', clause='EQ-10', record='h-ridge:missing', prop='test_eq10_query_moment.py::test_query_moment_matches_oracle'),
-    Bug('KmeansppSearchsortedLeft', clause='EQ-17-INIT', record='kmeans-init:inclusive', prop='test_eq17_kmeans.py::test_kmeanspp_init_on_cdf_boundaries'),
-    Bug('EmptyClusterTieHighIndex', clause='EQ-17-STEP', record='empty-cluster:tie-highest', prop='test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties'),
-    Bug('EmptyClusterStaleCounts', clause='EQ-17-STEP', record='empty-cluster:stale-sizes', prop='test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties'),
+    Bug('RidgeIgnored', clause='EQ-10', prop='test_eq10_query_moment.py::test_query_moment_matches_oracle'),
+    Bug('KmeansppSearchsortedLeft', clause='EQ-17-INIT', prop='test_eq17_kmeans.py::test_kmeanspp_init_on_cdf_boundaries'),
+    Bug('EmptyClusterTieHighIndex', clause='EQ-17-STEP', prop='test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties'),
+    Bug('EmptyClusterStaleCounts', clause='EQ-17-STEP', prop='test_eq17_kmeans.py::test_lloyd_step_empty_clusters_with_exact_ties'),
     # ROPE-FREQ, RET-TOPK and INPUT-ERRORS
-    Bug('Llama3WrongDefaults', clause='ROPE-FREQ', record='rope-freqs:llama3-4096-and-2', prop='test_rope.py::test_llama3_left_out_keys_take_the_defaults'),
-    Bug('TopkFloat32', clause='RET-TOPK', record='topk-rounding:float32', prop='test_retrieval.py::test_topk_count_matches_oracle'),
+    Bug('Llama3WrongDefaults', clause='ROPE-FREQ', prop='test_rope.py::test_llama3_left_out_keys_take_the_defaults'),
+    Bug('TopkFloat32', clause='RET-TOPK', prop='test_retrieval.py::test_topk_count_matches_oracle'),
     Bug('SelectClampsQueryPos', clause='INPUT-ERRORS', group='gap', description='select_tokens clamps query_pos into [0, T - 1] instead of raising ValueError', prop='test_input_errors.py::test_select_tokens_rejects_query_pos_out_of_range'),
     Bug('TokenScoresClipsCodes', clause='INPUT-ERRORS', group='gap', description='token_scores gathers with clipped indices (mx.take does no bounds check): a code >= K reads LUT[K - 1]', prop='test_input_errors.py::test_token_scores_rejects_codes_out_of_range'),
     Bug('DecodeClampsQueryPos', clause='INPUT-ERRORS', group='gap', description="decode_step clamps query_pos into [0, T - 1] (the cache's length) instead of raising ValueError", prop='test_input_errors.py::test_decode_step_rejects_query_pos_out_of_range'),
     Bug('DecodeWrapsCodes', clause='INPUT-ERRORS', group='gap', description='decode_step reduces codes modulo K (a wrapping gather) instead of raising ValueError on codes outside [0, K)', prop='test_input_errors.py::test_decode_step_rejects_codes_out_of_range'),
     # the decode scale and the cache (RET-DECODE, CACHE-*, CODES-DTYPE)
-    Bug('DecodeIgnoresScale', clause='RET-DECODE', record='attention-scale:ignored', prop='test_retrieval.py::test_decode_step_matches_oracle'),
+    Bug('DecodeIgnoresScale', clause='RET-DECODE', prop='test_retrieval.py::test_decode_step_matches_oracle'),
     Bug('CacheIgnoresScale', clause='CACHE-DECODE', group='gap', description="the cache's decode ignores config['scale'] (always 1/sqrt(d))", cause='attention-scale-wrong', prop='test_cache.py::test_decode_matches_oracle'),
     Bug('HalfCacheIgnoresScale', clause='CACHE-DECODE', group='gap', description="the cache's float16 decode branch ignores config['scale'] (float32 decodes are right)", prop='test_cache.py::test_decode_matches_oracle', half_precision=True),
     Bug('CacheCodesU16At256', clause='CODES-DTYPE', group='gap', description='cache stores codes as uint8 only for K < 256 (K = 256 gets uint16); code_dtype() itself is right', prop='test_cache.py::test_cache_codes_dtype'),
     Bug('TrimKeepsCodeCounts', clause='CACHE-TRIM', group='gap', description='trim rolls back keys, values, codes and offset but not the per-code counts the sort-free (GPU) top-k walks', prop='test_cache.py::test_trim_rollback'),
     Bug('TrimZeroClears', clause='CACHE-TRIM', group='gap', description='trim slices buffers with [:-n]; trim(0) (speculative decoding, every draft accepted) empties the cache', prop='test_cache.py::test_trim_rollback'),
     # diagnosis gaps (the failure named no cause, or the wrong one)
-    Bug('LutPostRopeQuery', clause='RET-DECODE', record='decode-far-logits:not-derotated', prop='test_retrieval.py::test_decode_step_matches_oracle'),
-    Bug('TopkOverCandidates', clause='RET-SELECT', record='topk-length:over-candidates', prop='test_retrieval.py::test_select_tokens_is_an_allowed_selection'),
-    Bug('SaveDropsWindow', clause='CACHE-SAVE', record='cache-save:resets-w', prop='test_cache.py::test_save_load_roundtrip'),
-    Bug('SaveDropsB', clause='CACHE-SAVE', record='cache-save:resets-b', prop='test_cache.py::test_save_load_roundtrip'),
+    Bug('LutPostRopeQuery', clause='RET-DECODE', prop='test_retrieval.py::test_decode_step_matches_oracle'),
+    Bug('TopkOverCandidates', clause='RET-SELECT', prop='test_retrieval.py::test_select_tokens_is_an_allowed_selection'),
+    Bug('SaveDropsWindow', clause='CACHE-SAVE', prop='test_cache.py::test_save_load_roundtrip'),
+    Bug('SaveDropsB', clause='CACHE-SAVE', prop='test_cache.py::test_save_load_roundtrip'),
     # EQ-13 to EQ-18
     Bug('ZTransformBatchedFirstL', clause='EQ-16', group='gap', description='z_transform with a per-head stack L (n_kv, d, d) uses L[0] for every head', prop='test_eq15_eq16_eq18.py::test_z_transform_per_head_L'),
     Bug('BackTransformBatchedFirstL', clause='EQ-18', group='gap', description='back_transform with a per-head stack L (n_kv, d, d) solves every head with L[0]', prop='test_eq15_eq16_eq18.py::test_back_transform_per_head_L'),
@@ -119,8 +118,8 @@ BUGS: tuple[Bug, ...] = (
     # RoPE and EQ-10..12: bugs that pass a suite in which b is only ever drawn at values bfloat16 holds exactly,
     # far_keys/far_query and wrope_scores only on 2-D inputs with explicit (T,) positions, the two scaling-type keys
     # never disagreed, and the INPUT-ERRORS of RoPE, EQ-10 and ROPE-FREQ were barely probed
-    Bug('RopeTypeKeyOrder', clause='ROPE-FREQ', record='rope-freqs:rope-type-first', prop='test_rope.py::test_inv_freqs_type_key_read_first'),
-    Bug('QueryMomentBBfloat16', clause='EQ-10', record='h-rb:bfloat16', prop='test_eq10_query_moment.py::test_query_moment_matches_oracle'),
+    Bug('RopeTypeKeyOrder', clause='ROPE-FREQ', prop='test_rope.py::test_inv_freqs_type_key_read_first'),
+    Bug('QueryMomentBBfloat16', clause='EQ-10', prop='test_eq10_query_moment.py::test_query_moment_matches_oracle'),
     Bug('WropeDefaultRightAligned', clause='EQ-11', group='gap', description='positions left out: queries right-aligned to the keys (Tk - Tq + arange(Tq), as in a decode) instead of arange(Tq)', prop='test_eq11_eq12_wrope.py::test_wrope_scores_leading_dims_and_default_positions'),
     Bug('FarQueryScalarAsOffset', clause='EQ-12', group='gap', description='far_query takes an int position as an offset (mx.fast.rope style): query head h moved by b - (p + h)', prop='test_eq11_eq12_wrope.py::test_far_side_leading_dims_and_position_forms'),
     Bug('FarKeysFlattenedHeads', clause='EQ-12', group='gap', description="far_keys flattens (n_kv, T, d) to rows and pairs them with np.repeat(positions, n_kv) (np.tile is the right order): heads' keys de-rotated at other tokens' positions", prop='test_eq11_eq12_wrope.py::test_far_side_leading_dims_and_position_forms'),
@@ -131,11 +130,11 @@ BUGS: tuple[Bug, ...] = (
     # guard: leading dims, the k-means stop rule and returned codes, the int top-k count 1, the never-empty rule beside
     # sinks, a query before the last token, an empty selection, batched attention
     Bug('AssignZLeadingRowZero', clause='EQ-16', group='gap', description='assign_z with keys (..., T, d) (several heads or sequences) codes the first row and broadcasts its codes', prop='test_eq15_eq16_eq18.py::test_assign_z_leading_dims'),
-    Bug('KmeansCentroidShiftStop', clause='EQ-17-FIT', record='kmeans-stop:absolute', prop='test_eq17_kmeans.py::test_kmeans_fit'),
+    Bug('KmeansCentroidShiftStop', clause='EQ-17-FIT', prop='test_eq17_kmeans.py::test_kmeans_fit'),
     Bug('KmeansCodesOfLastStep', clause='EQ-17-FIT', group='gap', description="kmeans returns the last Lloyd step's codes (nearest to C_(s−1)) instead of nearest(z, C_s) of the returned C", prop='test_eq17_kmeans.py::test_kmeans_fit'),
     Bug('TopkOneIsAFraction', clause='RET-TOPK', group='gap', description='topk_count tests `topk <= 1` for a fraction: the int 1 (one token) is read as 1.0, all T tokens', prop='test_retrieval.py::test_topk_count_matches_oracle'),
-    Bug('OwnTokenAtCountZero', clause='RET-SELECT', record='never-empty:beside-sinks', prop='test_retrieval.py::test_select_tokens_is_never_empty'),
-    Bug('DecodeQueryAtLastToken', clause='RET-DECODE', record='decode-position:last-token', prop='test_retrieval.py::test_decode_step_query_before_the_last_token'),
+    Bug('OwnTokenAtCountZero', clause='RET-SELECT', prop='test_retrieval.py::test_select_tokens_is_never_empty'),
+    Bug('DecodeQueryAtLastToken', clause='RET-DECODE', prop='test_retrieval.py::test_decode_step_query_before_the_last_token'),
     Bug('AttentionEmptyRowAverages', clause='INPUT-ERRORS', group='gap', description='retrieval_attention fills unselected logits with -1e9: a KV head that selects nothing averages all its values instead of raising ValueError', prop='test_input_errors_b.py::test_retrieval_and_codebook_inputs_are_checked'),
     Bug('AttentionBatchRowZeroMask', clause='RET-ATTN', group='gap', description="retrieval_attention with leading dims applies the first row's mask to every row (mask[0] broadcast)", prop='test_retrieval.py::test_retrieval_attention_matches_oracle'),
     # the cache: bugs that pass a suite in which positions() is never checked against the rule, codes' dtype checked
@@ -169,8 +168,7 @@ BUGS: tuple[Bug, ...] = (
 
 _BY_NAME = {b.mutant: b for b in BUGS}
 assert len(_BY_NAME) == len(BUGS), "one entry per mutant"
-assert {r.mutant for r in RECORDS if r.mutant} <= {b.mutant for b in BUGS if b.record}, \
-    "every record's mutant has its entry, linked to the record"
+assert set(_RECORD_OF) <= set(_BY_NAME), "every record's mutant has its entry"
 
 
 def bug(name: str) -> Bug:
