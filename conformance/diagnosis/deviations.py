@@ -14,6 +14,8 @@ The ids are stable; tests and unfaithful test ports refer to them (table appende
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -24,7 +26,7 @@ from a2ats_spec.oracle_cache import OracleCache
 
 from a2ats_conformance.harness.adapter import FUNCTION_NAMES
 
-__all__ = ["Deviation", "DEVIATIONS", "DeviantAdapter", "Model", "ModelCache", "by_id"]
+__all__ = ["Deviation", "DEVIATIONS", "DeviantAdapter", "Model", "ModelCache", "by_id", "shared_results"]
 
 _ROPE = {"rope_apply", "rope_invert"}
 _FAR = {"wrope_scores", "far_query", "far_keys"}
@@ -83,11 +85,84 @@ def _with_allowed(mask, must, may):
     return m
 
 
+# ---------------------------------------------------------------------- results shared between models
+# A diagnosis replays one example through dozens of models that differ in one hook each; coding a long cache
+# (Eq. 16 with its near-optimal sets) is most of each replay, and most models code it exactly as the faithful
+# one does. A coding result is reused for a later model when the inputs are equal and every model attribute the
+# coding read (recorded while it ran) resolves to the same object or value: then the same code ran on the same
+# data. A model that overrides any hook the coding used recomputes it.
+
+_READS: list | None = None   # names read from a Model while a shared computation runs
+_SHARED: dict | None = None  # input digest -> [(reads, result)]; only inside shared_results()
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def shared_results():
+    """Within this block, ModelCache coding results are shared between models (see above)."""
+    global _SHARED
+    outer, _SHARED = _SHARED, {}
+    try:
+        yield
+    finally:
+        _SHARED = outer
+
+
+def _binding(model, name):
+    own = object.__getattribute__(model, "__dict__")
+    return own[name] if name in own else getattr(type(model), name, _MISSING)
+
+
+def _same_binding(a, b) -> bool:
+    return a is b or (type(a) is type(b) and isinstance(a, (bool, int, float, str)) and a == b)
+
+
+def _digest(*parts) -> bytes:
+    h = hashlib.blake2b(digest_size=20)
+    for x in parts:
+        if isinstance(x, dict):
+            for k in sorted(x):
+                h.update(repr(k).encode())
+                h.update(_digest(x[k]))
+        elif x is None or isinstance(x, (str, bool, int, float)):
+            h.update(repr(x).encode())
+        else:
+            a = np.asarray(x)
+            h.update(f"{a.dtype}{a.shape}".encode())
+            h.update(np.ascontiguousarray(a).tobytes())
+    return h.digest()
+
+
+def _shared(model, key: bytes, compute):
+    """compute(), or the result of an earlier compute() on equal inputs (``key``) by a model that read the same
+    bindings; outside shared_results() always compute()."""
+    global _READS
+    if _SHARED is None or _READS is not None:
+        return compute()
+    for reads, result in _SHARED.get(key, ()):
+        if all(_same_binding(_binding(model, n), v) for n, v in reads):
+            return result
+    _READS = []
+    try:
+        result = compute()
+    finally:
+        names, _READS = _READS, None
+    if isinstance(result, np.ndarray):
+        result.flags.writeable = False   # shared between models: a caller that wrote to it would change others'
+    _SHARED.setdefault(key, []).append((tuple((n, _binding(model, n)) for n in dict.fromkeys(names)), result))
+    return result
+
+
 class Model:
     """The oracle's A2ATS, composed from hooks (faithful by default). Adapter callables are methods.
 
     ``tie``: when set (diagnosis sets the dtype's tie margin), selections carry their allowed-result sets
     and decodes their attention over any selection, so that a port is compared as the suite compares it."""
+
+    def __getattribute__(self, name):
+        if _READS is not None and not name.startswith("__"):
+            _READS.append(name)   # a shared computation depends on this binding
+        return object.__getattribute__(self, name)
 
     tie = None
     resolution = 0.0   # relative resolution of the scores the model ranks (float16 LUT: its rounding)
@@ -414,7 +489,9 @@ class ModelCache(OracleCache):
         t, start = k.shape[-2], self.offset
         coding = np.arange(self._counter, self._counter + t)
         books = {"Cz": self.Cz, "L": self.L, "C": self.C}
-        rows = [self.m.code_keys(self.m.far_key(k[r], coding, self.inv_freqs, self.traditional), books)
+        rows = [_shared(self.m, _digest("code_keys", k[r], coding, self.inv_freqs, int(self.traditional), books),
+                        lambda r=r: self.m.code_keys(self.m.far_key(k[r], coding, self.inv_freqs, self.traditional),
+                                                     books))
                 for r in range(self.B)]
         codes = np.stack([np.asarray(c, np.int64) for c in rows])
         keep = min(t, max(0, self._stale.shape[-1] - start))
@@ -652,7 +729,8 @@ def _blend_codes(k_pre, C, norm_plus_one):
     k, C = _f(k_pre), _f(C)
     cos = (k / (np.linalg.norm(k, axis=-1, keepdims=True) + 1e-12)) @ \
           (C / (np.linalg.norm(C, axis=-1, keepdims=True) + 1e-12)).T
-    d2 = np.sum((k[..., None, :] - C) ** 2, axis=-1)
+    # ‖k − c‖² expanded: one matmul, where T x K x d differences are gigabytes on a long cache
+    d2 = np.maximum(np.sum(k * k, axis=-1)[..., None] - 2.0 * k @ C.T + np.sum(C * C, axis=-1), 0.0)
     den = (1.0 if norm_plus_one else 0.0) + d2.max(axis=-1, keepdims=True)
     return np.argmax(0.5 * cos - 0.5 * d2 / np.where(den > 0, den, 1.0), axis=-1).astype(np.int64)
 

@@ -17,7 +17,7 @@ import tempfile
 
 import numpy as np
 
-from a2ats_conformance.diagnosis.deviations import DEVIATIONS, Decoded, Deviation, Model
+from a2ats_conformance.diagnosis.deviations import DEVIATIONS, Decoded, Deviation, Model, shared_results
 from a2ats_conformance.diagnosis.repro import fill_placeholder, to_float64 as _up
 from a2ats_conformance.harness.adapter import CLAUSE_FUNCTIONS
 from a2ats_conformance.harness.pytest_helpers import ConformanceFailure, _jsonable
@@ -238,6 +238,11 @@ def diagnose(examples: list[dict], dtype: str, deviations=DEVIATIONS,
     (with at least one recorded IUT output; the MAX_EXAMPLES smallest). Deviations not reached within
     ``max_elements`` replayed input elements are left out (the last entry then says so, with id None), so the
     same failing examples get the same diagnosis on any machine at any load."""
+    with shared_results():
+        return _diagnose(examples, dtype, deviations, max_elements)
+
+
+def _diagnose(examples, dtype, deviations, max_elements) -> list[dict]:
     usable = sorted((e for e in examples if e.get("outputs")), key=_size)[:MAX_EXAMPLES]
     faithful = [replay(Model(), e["calls"], _tie(dtype, e["clause"]), e["outputs"]) for e in usable]
     work = [sum(_size(e) for e in usable)]

@@ -259,3 +259,42 @@ def test_a_selection_that_admits_any_tokens_is_vacuous_and_never_a_likely_cause(
                         {"id": "b", "cause": "B", "matched": 3, "of": 3, "likely": False, "vacuous": True}], 3)
     assert lines[0].startswith("help: likely cause: A") and "also consistent: B" in lines[1], lines
     assert "ties every candidate" in lines[1], lines
+
+
+@pytest.mark.clause("CACHE-FAR-CODES")
+def test_shared_coding_is_reused_only_by_models_that_read_the_same_hooks():
+    """Inside shared_results(), a cache coded by one model is reused by a model differing only in hooks the coding
+    never read, and recomputed by one that overrides a hook it used (here EQ-16's z): a diagnosis never scores a
+    deviant with the faithful model's codes."""
+    from a2ats_conformance.diagnosis.deviations import shared_results
+
+    probe = next(c for c in PROBES if c[0][0] == "make_cache" and c[1][0] == "cache0.append")
+    cfg, appended = probe[0][1][0], probe[1][1]
+    calls = [0]
+
+    class Counting(Model):
+        def z(self, k, L):
+            calls[0] += 1
+            return super().z(k, L)
+
+    class OtherValues(Counting):       # a hook coding does not use
+        def attention_values(self, v):
+            return super().attention_values(v) * 2.0
+
+    class ShiftedZ(Counting):          # a hook coding uses
+        def z(self, k, L):
+            return super().z(k, L) + 0.25
+
+    def codes(model):
+        cache = model.make_cache(cfg)
+        cache.append(*appended)
+        return np.asarray(cache.codes())
+
+    alone = {cls: codes(cls()) for cls in (Counting, ShiftedZ)}
+    assert not np.array_equal(alone[Counting], alone[ShiftedZ])   # the probe shows the hook
+    with shared_results():
+        calls[0] = 0
+        first = codes(Counting())
+        n = calls[0]
+        assert np.array_equal(codes(OtherValues()), first) and calls[0] == n        # reused: z not called again
+        assert np.array_equal(codes(ShiftedZ()), alone[ShiftedZ]) and calls[0] > n  # recomputed, its own codes
