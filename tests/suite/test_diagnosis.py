@@ -261,7 +261,6 @@ def test_a_selection_that_admits_any_tokens_is_vacuous_and_never_a_likely_cause(
     assert "ties every candidate" in lines[1], lines
 
 
-@pytest.mark.clause("CACHE-FAR-CODES")
 def test_shared_coding_is_reused_only_by_models_that_read_the_same_hooks():
     """Inside shared_results(), a cache coded by one model is reused by a model differing only in hooks the coding
     never read, and recomputed by one that overrides a hook it used (here EQ-16's z): a diagnosis never scores a
