@@ -40,11 +40,16 @@ from a2ats_conformance.run.xfails import XfailWarning, read_xfails
 __all__ = ["main", "run_suite", "clause_table", "SUITE_DIR"]
 
 SUITE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "properties")
+#: the pytest plugins the suite's child loads (plugin autoloading is off there: supervisor._child_env)
+SUITE_PLUGINS = ("_hypothesis_pytestplugin",)
+#: the plugin module behind pytest-xdist's "-n", added when the run has workers
+XDIST_PLUGIN = "xdist.plugin"
 
 
 def _pytest_args(a, ini_path: str, cex_dir: str, repro_prefix: str) -> list[str]:
     # Our own empty ini file: a project's pytest configuration must not leak into the suite.
     args = [SUITE_DIR, "-c", ini_path, "--rootdir", SUITE_DIR, "-p", "no:cacheprovider",
+            *(a for name in SUITE_PLUGINS for a in ("-p", name)),
             f"--hypothesis-profile={a.profile}", "-q" if not a.verbose else "-v",
             # without -v the child prints no tracebacks: the verdict and profile come first, the evidence after
             *(["--tb=short"] if a.verbose else ["--tb=no", "-rN"]), "-W", "ignore::pytest.PytestAssertRewriteWarning",
@@ -66,9 +71,7 @@ def _pytest_args(a, ini_path: str, cex_dir: str, repro_prefix: str) -> list[str]
     if getattr(a, "no_port_profile", False):
         args.append("--a2ats-no-port-profile")
     if a.n and a.n > 1:
-        args += ["-n", str(a.n), "-p", "xdist"]
-    else:
-        args += ["-p", "no:xdist"]
+        args += ["-p", XDIST_PLUGIN, "-n", str(a.n)]
     return args
 
 

@@ -61,8 +61,14 @@ def worker_threads(workers: int, cpus: int | None = None) -> int:
 
 def _child_env(workers: int = 1) -> dict:
     """The child imports what this process can: its sys.path (cwd for '') goes first on PYTHONPATH. With
-    several workers, each gets its share of the cores for BLAS, unless the user set a thread count."""
+    several workers, each gets its share of the cores for BLAS, unless the user set a thread count.
+
+    The child loads only the pytest plugins the suite names (``cli.SUITE_PLUGINS``), never the ones installed
+    beside it: a plugin that reorders, reseeds, retries or times tests would change verdicts. Autoloading also
+    makes pytest rewrite the asserts of every module in each plugin's distribution (all of Hypothesis), work
+    that is repeated at every start where bytecode is not cached."""
     env = dict(os.environ)
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     if workers > 1:
         for var in THREAD_ENV:
             env.setdefault(var, str(worker_threads(workers)))
