@@ -32,8 +32,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models import activations
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from a2ats_ref import _blas
 from a2ats_ref.rope import rope_apply, rope_params_from_module
@@ -274,6 +272,8 @@ def _host_swiglu(previous):
 def _collection_kernels(attns, sink: "_Sink"):
     """While collecting, bind _host_attention (and _host_swiglu where the module uses mlx-lm's ``swiglu``) in
     each attention module's Python module, as a2ats_ref.runtime.hook does for decoding; restored on exit."""
+    from mlx_lm.models import activations  # deferred: mlx-lm loads transformers (~1 s); only a model needs it
+
     saved = []
     for m in (sys.modules[n] for n in dict.fromkeys(type(a).__module__ for a in attns)):
         if callable(getattr(m, _SDPA, None)):
@@ -311,6 +311,8 @@ def collect(
     total_tokens: int | None = None,
 ) -> Collected:
     """Run ``model`` over token ``sequences`` (each from an empty cache) and gather EQ-10/EQ-17 inputs."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache  # deferred: mlx-lm loads transformers (~1 s); only a model needs it
+
     if chunk < 1:
         raise ValueError(f"chunk: expected a positive number of tokens per prefill step, got {chunk}")
     attns = attention_layers(model)
