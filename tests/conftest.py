@@ -2,6 +2,7 @@
 `on_cpu` runs a test on MLX's CPU device."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,18 @@ from a2ats_conformance.harness.suite_env import exchange, pin_suite_process  # n
 pin_suite_process()
 
 import pytest
+
+from a2ats_conformance.run.supervisor import THREAD_ENV, worker_threads  # noqa: E402
+
+
+def pytest_configure(config):
+    """With ``-n N``, the xdist workers this process starts each get 1/N of the cores for BLAS, as the suite's own
+    workers do (unless the user set a count): N workers each spinning BLAS threads over every core oversubscribe
+    the machine N-fold. Set here, in the controller, because each worker loads its BLAS at its first import."""
+    n = getattr(config.option, "numprocesses", None)
+    if isinstance(n, int) and n > 1 and not os.environ.get("PYTEST_XDIST_WORKER"):
+        for var in THREAD_ENV:
+            os.environ.setdefault(var, str(worker_threads(n)))
 
 
 def pytest_runtest_teardown(item, nextitem):
