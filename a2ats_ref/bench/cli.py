@@ -6,7 +6,7 @@
     a2ats-bench page --json DIR/NAME.json                           # the page again, from the JSON it keeps
 
 Every result carries a machine description (CPU, cores, MLX version, BLAS in use, allocator tuning).
-Progress goes to stderr. ``--quick`` is the CI smoke size (minutes); ``--tiny`` is for unit tests (seconds).
+Progress goes to stderr. ``--quick`` is the smoke size (minutes); ``--tiny`` is for unit tests (seconds).
 """
 
 from __future__ import annotations
@@ -376,7 +376,7 @@ def _parser() -> argparse.ArgumentParser:
                                           "commit and machine, NAME.json, and PNG plots where matplotlib is installed")
     ap.add_argument("--name", help="the results page's name (default: WHAT-PROFILE; page: the JSON's name)")
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="CI smoke size (a few minutes), for either benchmark")
+    size.add_argument("--quick", action="store_true", help="smoke size (minutes), for either benchmark")
     size.add_argument("--tiny", action="store_true", help="unit-test size (seconds), for either benchmark; without --quick or --tiny the full size runs")
     ap.add_argument("--profile", choices=["default", "authors"], default="default",
                     help="fidelity: 'authors' runs at the authors' settings (K=4096, 64K+16K calibration tokens, "
