@@ -11,10 +11,12 @@ from a2ats_ref.runtime.decode import selfcheck
 
 
 def test_speed_quick_json_schema(tmp_path):
-    # The --quick profile is the smoke run of the benchmark code (Llama-3.1-8B decode shapes, SmolLM2 e2e), its
-    # decode table at one context: the longer one adds a minute of dense float16 steps and no code path.
+    # The --quick profile is the smoke run of the benchmark code (Llama-3.1-8B decode shapes, SmolLM2 e2e), with
+    # shorter contexts: its decode table at one (the longer adds a minute of dense float16 steps and no code path),
+    # and e2e at one context with a real prefill and one of synthetic keys and values, as at its own sizes.
     out, md = tmp_path / "speed.json", tmp_path / "speed.md"
-    assert bench.main(["speed", "--quick", "--T", "4096", "--json", str(out), "--md", str(md)]) == 0
+    assert bench.main(["speed", "--quick", "--T", "4096", "--e2e-ctx", "512,1280",
+                       "--json", str(out), "--md", str(md)]) == 0
     res = json.loads(out.read_text())
     assert res["schema_version"] == bench.SCHEMA_VERSION and res["benchmark"] == "speed" and res["profile"] == "quick"
     m = res["machine"]
@@ -57,7 +59,7 @@ def test_speed_quick_json_schema(tmp_path):
     assert all(r["a2ats_ms"] > 0 and r["dense_ms"] > 0 and r["speedup"] > 0 for r in bd)
     assert "## Batched decode" in md.read_text()
     e2e = res["e2e_smollm2"]
-    assert [(r["context"], r["prefill"] == "real") for r in e2e["rows"]] == [(1024, True), (2048, False)]
+    assert [(r["context"], r["prefill"] == "real") for r in e2e["rows"]] == [(512, True), (1280, False)]
     for r in e2e["rows"]:
         assert r["dense"]["tokens_per_s"] > 0 and r["a2ats"]["tokens_per_s"] > 0
         bt = r["bytes_per_token"]
