@@ -52,7 +52,10 @@ def _pytest_args(a, ini_path: str, cex_dir: str, repro_prefix: str) -> list[str]
             *(a for name in SUITE_PLUGINS for a in ("-p", name)),
             f"--hypothesis-profile={a.profile}", "-q" if not a.verbose else "-v",
             # without -v the child prints no tracebacks: the verdict and profile come first, the evidence after
-            *(["--tb=short"] if a.verbose else ["--tb=no", "-rN"]), "-W", "ignore::pytest.PytestAssertRewriteWarning",
+            *(["--tb=short"] if a.verbose else ["--tb=no", "-rN"]),
+            # The properties report through the suite's own messages and hold no bare assert: rewriting asserts
+            # would only parse every property module again at each start where bytecode is not cached.
+            "--assert=plain",
             f"--counterexample-dir={cex_dir}", f"--a2ats-example-timeout={a.example_timeout}"]
     if a.iut is not None:
         args.append(f"--iut={a.iut}")

@@ -5,6 +5,7 @@ import pkgutil
 import sys
 import types
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import a2ats_conformance.properties
+from a2ats_conformance.run.cli import SUITE_DIR
 from a2ats_conformance.harness import hypothesis_helpers as hh
 from a2ats_conformance.harness import tolerances as T
 from a2ats_conformance.run import xfails as X
@@ -253,3 +255,16 @@ def test_cli_usage_errors(tmp_path, capsys):
     bad = tmp_path / "x.txt"
     bad.write_text("EQ-14\n")
     assert main(["--xfails", str(bad)]) == 2
+
+
+def test_properties_hold_no_bare_assert():
+    """The suite runs with --assert=plain (run/cli.py): a bare assert in a property would fail without saying
+    what differed, where the suite's own checks name the clause, the quantity and the tolerance."""
+    import ast
+
+    found = []
+    for path in sorted(Path(SUITE_DIR).glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found += [f"{path.name}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Assert)]
+    assert not found, found
+
