@@ -239,3 +239,34 @@ def test_workers_share_the_cores_for_blas(monkeypatch):
     assert S.worker_threads(15, cpus=16) == 1 and S.worker_threads(2, cpus=16) == 8 and S.worker_threads(4, cpus=2) == 1
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
     assert S._child_env(2)["OPENBLAS_NUM_THREADS"] == "3"
+
+
+def test_plugins_installed_beside_the_suite_are_not_loaded_in_its_run(tmp_path):
+    """A pytest plugin installed in the port's environment (an entry point in the pytest11 group: one that reorders,
+    reruns or fails tests, say) must not run inside the suite, or it could change verdicts. The plugin here fails
+    every test it sees; plain pytest in the same environment loads it, the suite's run does not."""
+    site = tmp_path / "site"
+    (site / "failall_plugin-1.0.dist-info").mkdir(parents=True)
+    (site / "failall_plugin-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: failall-plugin\nVersion: 1.0\n")
+    (site / "failall_plugin-1.0.dist-info" / "entry_points.txt").write_text("[pytest11]\nfailall = failall_plugin\n")
+    (site / "failall_plugin.py").write_text(
+        "import os, pytest\n"
+        "def pytest_configure(config):\n"
+        "    open(os.environ['FAILALL_MARK'], 'a').write('loaded\\n')\n"
+        "@pytest.hookimpl(tryfirst=True)\n"
+        "def pytest_runtest_call(item):\n"
+        "    raise AssertionError('failall plugin')\n")
+    mark = tmp_path / "mark"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]), FAILALL_MARK=str(mark))
+    env.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
+    (tmp_path / "t" / "test_one.py").parent.mkdir()
+    (tmp_path / "t" / "test_one.py").write_text("def test_one():\n    pass\n")
+    plain = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "t")],
+                           env=env, capture_output=True, text=True, timeout=HANG_S, cwd=tmp_path)
+    assert plain.returncode == 1 and mark.read_text() == "loaded\n", plain.stdout[-2000:]   # the plugin works
+    mark.unlink()
+    out = tmp_path / "r.json"
+    p = subprocess.run([*CLI, "--profile", "quick", "--seed", "0", "-q", "--clauses", "ROPE-FREQ", "--no-port-profile",
+                        "--report-json", str(out)], env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert p.returncode == 0 and not mark.exists(), p.stdout[-2000:] + p.stderr[-2000:]
+    assert json.loads(out.read_text())["clauses"]["ROPE-FREQ"]["status"] == "pass"
