@@ -20,7 +20,7 @@ pin_suite_process()
 
 import pytest
 
-from a2ats_conformance.run.supervisor import THREAD_ENV, worker_threads  # noqa: E402
+from a2ats_conformance.run.supervisor import share_blas_cores  # noqa: E402
 
 
 def pytest_configure(config):
@@ -28,9 +28,8 @@ def pytest_configure(config):
     workers do (unless the user set a count): N workers each spinning BLAS threads over every core oversubscribe
     the machine N-fold. Set here, in the controller, because each worker loads its BLAS at its first import."""
     n = getattr(config.option, "numprocesses", None)
-    if isinstance(n, int) and n > 1 and not os.environ.get("PYTEST_XDIST_WORKER"):
-        for var in THREAD_ENV:
-            os.environ.setdefault(var, str(worker_threads(n)))
+    if isinstance(n, int) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        share_blas_cores(os.environ, n)
 
 
 def pytest_runtest_teardown(item, nextitem):

@@ -59,6 +59,14 @@ def worker_threads(workers: int, cpus: int | None = None) -> int:
     return max(1, (cpus or os.cpu_count() or 1) // max(1, workers))
 
 
+def share_blas_cores(env, workers: int) -> None:
+    """With several ``workers``, set each BLAS thread count in ``env`` to a worker's share of the cores, unless
+    the user set one."""
+    if workers > 1:
+        for var in THREAD_ENV:
+            env.setdefault(var, str(worker_threads(workers)))
+
+
 def _child_env(workers: int = 1) -> dict:
     """The child imports what this process can: its sys.path (cwd for '') goes first on PYTHONPATH. With
     several workers, each gets its share of the cores for BLAS, unless the user set a thread count.
@@ -69,9 +77,7 @@ def _child_env(workers: int = 1) -> dict:
     that is repeated at every start where bytecode is not cached."""
     env = dict(os.environ)
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    if workers > 1:
-        for var in THREAD_ENV:
-            env.setdefault(var, str(worker_threads(workers)))
+    share_blas_cores(env, workers)
     paths = [os.getcwd() if p == "" else p for p in sys.path if p == "" or os.path.isdir(p)]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
