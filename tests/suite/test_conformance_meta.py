@@ -268,3 +268,16 @@ def test_properties_hold_no_bare_assert():
         found += [f"{path.name}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Assert)]
     assert not found, found
 
+
+
+def test_profiles_shrink_without_the_explain_phase():
+    """Hypothesis' explain phase traces every run of a test after its first failure, which made a failing port's
+    run markedly slower; the suite's own diagnosis explains failures. Shrinking stays where a profile shrinks."""
+    from hypothesis import Phase
+
+    from a2ats_conformance.run.plugin import PROFILES
+
+    for name in PROFILES:
+        phases = settings.get_profile(name).phases
+        assert Phase.explain not in phases and Phase.generate in phases, (name, phases)
+        assert (Phase.shrink in phases) == (name != "selftest"), (name, phases)
