@@ -39,9 +39,9 @@ __all__ = ["PROFILES", "known_clauses", "item_clauses", "current_profile", "DTYP
 _HC = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large,
        HealthCheck.filter_too_much, HealthCheck.large_base_example]
 PROFILES = {"quick": 8, "ci": 50, "thorough": 500, "selftest": 12}
-# No explain phase: once an example fails, Hypothesis traces every later run of the test (sys.settrace) to explain
-# it, which made a failing port's run take about 1.5 times as long, and its comments reach no report: the suite's own diagnosis
-# says what the port does differently.
+# No explain phase: once an example fails, Hypothesis traces every later run of the test (sys.settrace) to
+# explain it, which made a failing port's run take about 1.5 times as long, and its comments reach no report:
+# the suite's own diagnosis says what the port does differently.
 _PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
 for _name, _n in PROFILES.items():
     settings.register_profile(_name, max_examples=_n, deadline=None, database=None, print_blob=False,
