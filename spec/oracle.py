@@ -431,8 +431,57 @@ def assign_z_distances(k: Any, Cz: Any, L: Any) -> np.ndarray:
 
 
 def assign_z(k: Any, Cz: Any, L: Any) -> np.ndarray:
-    """EQ-16. Runtime assignment: nearest z-space codeword to k L, ties -> lowest j. int64 (...)."""
-    return np.argmin(assign_z_distances(k, Cz, L), axis=-1).astype(np.int64)
+    """EQ-16. Runtime assignment: nearest z-space codeword to k L, ties -> lowest j. int64 (...).
+
+    The result is argmin(assign_z_distances(k, Cz, L)), to the bit: the distances of the codewords that can be
+    nearest are the same direct differences, and the others are ruled out first by a bound (_nearest_rows)."""
+    k = _array(k, "k", min_ndim=1)
+    Cz = _array(Cz, "Cz")
+    L = _array(L, "L")
+    d = _assign_shapes(k, Cz, L, "Cz", "L")
+    z = z_transform(k, L).reshape(-1, d)
+    if not np.all(np.isfinite(z)):   # k L overflowed: the bound below would be meaningless
+        return np.argmin(assign_z_distances(k, Cz, L), axis=-1).astype(np.int64)
+    rows = max(1, _PRUNE_BLOCK // max(1, Cz.shape[0]))
+    out = np.empty(z.shape[0], np.int64)
+    for s in range(0, z.shape[0], rows):
+        out[s:s + rows] = _nearest_rows(z[s:s + rows], Cz)
+    return out.reshape(k.shape[:-1])
+
+
+#: most entries of one block of the (rows, K) distance estimate: small enough to stay in cache between passes
+_PRUNE_BLOCK = 1 << 16
+
+
+def _nearest_rows(z: np.ndarray, Cz: np.ndarray) -> np.ndarray:
+    """argmin_j ‖z_i - Cz_j‖² per row (ties -> lowest j), computed as assign_z_distances does, for fewer j.
+
+    Row i's distances, less the constant ‖z_i‖², are estimated with one matmul: e_ij = ‖Cz_j‖² - 2 z_i·Cz_j.
+    Against the true t_ij - ‖z_i‖², e_ij errs by at most (d + 2) u (‖z_i‖ + ‖Cz_j‖)², and the direct-difference
+    sum D_ij errs from t_ij by at most (d + 3) u (‖z_i‖ + ‖Cz_j‖)² (u = 2^-53; Higham, Accuracy and Stability of
+    Numerical Algorithms, 2nd ed., 3.1). Take B_i, four times their sum at the largest ‖Cz_j‖. A j with
+    e_ij > min_j e_ij + 2 B_i then has D_ij > D_ij* for the j* attaining the minimum, so it is neither the
+    nearest nor tied with it. D is evaluated for the other j only, by the same NumPy reduction over rows of d
+    elements as assign_z_distances: equal bits, since each row is reduced alone. Subnormal results add an absolute
+    error (the 2^-1074 term); where the estimate overflows, no j is ruled out."""
+    d = z.shape[-1]
+    with np.errstate(over="ignore", invalid="ignore"):   # an overflowed estimate rules nothing out (below)
+        cc = np.einsum("kd,kd->k", Cz, Cz)
+        est = z @ Cz.T
+        est *= -2.0
+        est += cc
+        # 2^-1074 per operation: the absolute error of a subnormal result, where u no longer bounds it
+        slack = 8 * (2 * d + 5) * (2.0 ** -53 * (np.sqrt(np.einsum("nd,nd->n", z, z)) + np.sqrt(cc.max())) ** 2
+                                   + 2.0 ** -1074)
+    if not (np.all(np.isfinite(est)) and np.all(np.isfinite(slack))):   # overflow: every j stays
+        slack = np.full(z.shape[0], np.inf)
+        est = np.zeros_like(est)
+    keep = est <= (np.min(est, axis=1) + slack)[:, None]
+    i, j = np.nonzero(keep)                          # row-major: j ascending within each row
+    dist = np.sum((z[i] - Cz[j]) ** 2, axis=-1)
+    order = np.lexsort((j, dist, i))                 # by row, then distance, then lowest j
+    first = np.unique(i[order], return_index=True)[1]
+    return j[order][first]
 
 
 def back_transform(Cz: Any, L: Any) -> np.ndarray:

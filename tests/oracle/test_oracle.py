@@ -288,6 +288,35 @@ def test_z_space_identity_and_assign_equivalence(d2, K, seed):
     np.testing.assert_allclose(o.z_transform(k, L), k @ L)
 
 
+def _near_tie_case(kind, rng_, d, K, N):
+    """Keys and z-space codebooks where the nearest codeword is hard to tell: exact integer ties, codewords a few
+    ulps apart, keys a rounding error from a codeword, scales near overflow and in the subnormal range."""
+    scale = {"normal": 1.0, "huge": 1e154, "tiny": 1e-160, "subnormal": 3e-155}.get(kind, 1.0)
+    if kind == "integer":
+        return rng_.integers(-2, 3, (N, d)).astype(float), rng_.integers(-2, 3, (K, d)).astype(float), np.eye(d)
+    Cz = rng_.normal(size=(K, d)) * scale
+    if kind in ("duplicated", "huge", "subnormal"):   # each codeword twice, the copy a few ulps away; keys near and far
+        Cz = np.concatenate([Cz, Cz[::-1] * (1 + 2e-16 * rng_.integers(-3, 4, (K, d)))])
+        k = Cz[rng_.integers(0, len(Cz), N)] * (1 + 1e-13 * rng_.normal(size=(N, d)))
+        k += scale * rng_.normal(size=(N, d)) * rng_.choice([0.0, 1e-3, 1.0], size=(N, 1))
+    else:
+        k = rng_.normal(size=(N, d)) * scale
+    return k, Cz, np.eye(d) if kind != "normal" else o.cholesky(_spd(d, int(rng_.integers(0, 999))))
+
+
+@pytest.mark.clause("EQ-16")
+@pytest.mark.parametrize("kind", ["normal", "integer", "duplicated", "huge", "tiny", "subnormal"])
+@pytest.mark.parametrize("seed", range(4))
+def test_assign_z_is_the_argmin_of_its_distances_to_the_bit(kind, seed):
+    """assign_z rules codewords out by a bound before it evaluates distances: its codes must be exactly the
+    lowest-index argmin of assign_z_distances, ties and extreme scales included."""
+    r = rng(seed)
+    k, Cz, L = _near_tie_case(kind, r, (1, 3, 4, 12)[seed], int(r.integers(1, 100)), 200)
+    with np.errstate(over="ignore"):
+        want = np.argmin(o.assign_z_distances(k, Cz, L), axis=-1)
+    np.testing.assert_array_equal(o.assign_z(k, Cz, L), want)
+
+
 @pytest.mark.clause("EQ-14")
 def test_identity_H_reduces_to_euclidean_nearest():
     C = rng(13).normal(size=(9, 4))
