@@ -312,9 +312,9 @@ def test_assign_z_is_the_argmin_of_its_distances_to_the_bit(kind, seed):
     lowest-index argmin of assign_z_distances, ties and extreme scales included."""
     r = rng(seed)
     k, Cz, L = _near_tie_case(kind, r, (1, 3, 4, 12)[seed], int(r.integers(1, 100)), 200)
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore"):   # at the huge scale, far codewords' squared distances overflow to inf
         want = np.argmin(o.assign_z_distances(k, Cz, L), axis=-1)
-    np.testing.assert_array_equal(o.assign_z(k, Cz, L), want)
+        np.testing.assert_array_equal(o.assign_z(k, Cz, L), want)
 
 
 @pytest.mark.clause("EQ-14")
