@@ -470,7 +470,7 @@ def _nearest_rows(z: np.ndarray, Cz: np.ndarray) -> np.ndarray:
         est = z @ Cz.T
         est *= -2.0
         est += cc
-        # 2^-1074 per operation: the absolute error of a subnormal result, where u no longer bounds it
+        # 2^-1074 per operation: the absolute error of a subnormal result, which the relative bound u misses
         slack = 8 * (2 * d + 5) * (2.0 ** -53 * (np.sqrt(np.einsum("nd,nd->n", z, z)) + np.sqrt(cc.max())) ** 2
                                    + 2.0 ** -1074)
     if not (np.all(np.isfinite(est)) and np.all(np.isfinite(slack))):   # overflow: every j stays
