@@ -26,13 +26,27 @@ through the environment:
 
 Child processes (pytest-xdist workers, the conformance CLI's workers) inherit the parent's environment, so the
 directory and the pool are tagged with the pid that made them, and a process that is not that pid makes its own
-directory; the pool's maker removes the pool.
+directory.
+
+On an NVIDIA GPU the pool outlives the run (``persistent_pool``: a folder per MLX version and GPU model under
+the user's cache, ``$XDG_CACHE_HOME`` or ``~/.cache``): a module is machine code for one GPU, built by one MLX,
+and nothing else in it changes between runs. The modules MLX builds for the suite on a GPU (gathers,
+scatters and fused graphs of the portable decode step, about 60 of them) take each process about a minute to
+compile, and a cold run's workers all compile them at once, each for itself, before any has finished a test to
+publish them; with the pool kept, a later run on the machine compiles none of them. Elsewhere (no NVIDIA GPU, so
+MLX builds no CUDA module) the pool is a temporary folder that its maker removes. A pool named in
+``A2ATS_PTX_POOL`` by the user is used as it is and kept.
+
+Sharing is finer than a test: the suite's plugin exchanges before every example, and the controller, which runs
+no test, exchanges before the port profile (whose first call would otherwise compile every module again).
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -43,9 +57,14 @@ OWNER = "A2ATS_PTX_CACHE_OWNER"
 POOL, POOL_OWNER = "A2ATS_PTX_POOL", "A2ATS_PTX_POOL_OWNER"
 
 
-def _modules(root: Path):
-    """The relative paths of the modules in ``root`` that MLX would read: each ``.ptx`` (MLX may nest them)."""
-    return [p.relative_to(root) for p in root.rglob("*.ptx") if p.is_file()]
+def _modules(root: Path) -> set[str]:
+    """The relative paths of the modules in ``root`` that MLX would read: each ``.ptx`` (MLX may nest them). A walk
+    of names only (no stat per file): the plugin asks before every example."""
+    found = set()
+    for folder, _, files in os.walk(root):
+        rel = os.path.relpath(folder, root)
+        found.update(f if rel == "." else os.path.join(rel, f) for f in files if f.endswith(".ptx"))
+    return found
 
 
 def _place(src: Path, dst: Path) -> None:
@@ -61,12 +80,11 @@ def _place(src: Path, dst: Path) -> None:
         raise
 
 
-def copy_modules(src: Path, dst: Path) -> int:
-    """Copy every whole module of ``src`` that ``dst`` lacks, ``.txt`` first; return how many."""
+def copy_modules(src: Path, dst: Path, names: set[str] | None = None) -> int:
+    """Copy every whole module of ``src`` that ``dst`` lacks (``names``: those modules, when the caller listed
+    both folders already), ``.txt`` first; return how many."""
     copied = 0
-    for rel in _modules(src):
-        if (dst / rel).exists():
-            continue
+    for rel in sorted(_modules(src) - _modules(dst) if names is None else names):
         txt = (src / rel).with_suffix(".txt")
         try:
             if txt.exists():
@@ -92,8 +110,46 @@ def exchange() -> None:
     """
     if os.environ.get(OWNER) == str(os.getpid()) and os.path.isdir(os.environ.get(POOL, "")):
         mine, pool = Path(os.environ["MLX_PTX_CACHE_DIR"]), Path(os.environ[POOL])
-        copy_modules(mine, pool)
-        copy_modules(pool, mine)
+        have, shared = _modules(mine), _modules(pool)
+        copy_modules(mine, pool, have - shared)
+        copy_modules(pool, mine, shared - have)
+
+
+#: where the driver lists the NVIDIA GPUs of this machine, one folder per GPU with an ``information`` file
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+
+
+def gpu_models(root: str | None = None) -> list[str]:
+    """The models of this machine's NVIDIA GPUs, as the driver names them (read without loading CUDA or MLX);
+    root: the driver's folder (default NVIDIA_GPUS)."""
+    models = []
+    for info in sorted(Path(root or NVIDIA_GPUS).glob("*/information")):
+        try:
+            text = info.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        models += [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model:")]
+    return list(dict.fromkeys(models))
+
+
+def persistent_pool(root: str | None = None) -> str | None:
+    """The pool folder that outlives runs on this machine, made if missing: one per MLX version and GPU model;
+    None where there is no NVIDIA GPU, no MLX, or no writable cache folder."""
+    models = gpu_models(root)
+    try:
+        version = importlib.metadata.version("mlx")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if not models:
+        return None
+    tag = re.sub(r"[^A-Za-z0-9.]+", "-", "+".join(models)).strip("-")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(base, "a2ats-ref", "mlx-jit", f"mlx-{version}-{tag}")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None
+    return path
 
 
 def pin_suite_process() -> None:
@@ -105,9 +161,13 @@ def pin_suite_process() -> None:
     if ours and os.environ[OWNER] == str(os.getpid()):
         return   # already made in this process
     if not os.path.isdir(os.environ.get(POOL, "")):
-        pool = tempfile.mkdtemp(prefix=f"mlx-ptx-pool-{os.getpid()}-")
-        atexit.register(shutil.rmtree, pool, ignore_errors=True)   # runs after this process publishes (LIFO)
-        os.environ[POOL], os.environ[POOL_OWNER] = pool, str(os.getpid())
+        kept = persistent_pool()
+        if kept:
+            os.environ[POOL] = kept
+        else:
+            pool = tempfile.mkdtemp(prefix=f"mlx-ptx-pool-{os.getpid()}-")
+            atexit.register(shutil.rmtree, pool, ignore_errors=True)   # runs after this process publishes (LIFO)
+            os.environ[POOL], os.environ[POOL_OWNER] = pool, str(os.getpid())
     pool = os.environ[POOL]
     path = tempfile.mkdtemp(prefix=f"mlx-ptx-{os.getpid()}-")
     copy_modules(Path(pool), Path(path))

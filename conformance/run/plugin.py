@@ -311,6 +311,7 @@ def pytest_runtest_call(item):
 
     @functools.wraps(inner)
     def counted(*args, **kwargs):
+        _exchange_jit_modules()   # between examples no compile is in flight: share what this worker compiled
         ctx.begin_example()
         with time_limit(limit, dump):
             return inner(*args, **kwargs)
@@ -447,6 +448,9 @@ def _port_profile(config, st) -> list | None:
     # each IUT call gets --a2ats-example-timeout (at most PROFILE_LIMIT_S); a native hang ends the process after
     # it (faulthandler, via the dump file): the tests are done and reported, so only the profile is lost
     limit = min(config.getoption("a2ats_example_timeout") or PROFILE_LIMIT_S, PROFILE_LIMIT_S)
+    # this process ran no test: without the modules the workers compiled, its first call would build them all again
+    # (on a cold GPU run over a minute, past the limit: the profile, and the run's exit status, would be lost)
+    _exchange_jit_modules()
     dump = dump_path(st["run_dir"], "a2ats-port-profile")
     try:
         return profile(st["adapter"], dtype=st["dtypes"][0], caps=st["caps"], guard=lambda: time_limit(limit, dump))
