@@ -223,28 +223,6 @@ def test_cuda_step_parts_match_the_portable_step(dtype, T, n_q, n_kv, d, K, kept
     assert diff["max_rel_err"] <= (1e-5 if dtype == mx.float32 else 1e-2), diff
 
 
-def test_one_kernel_instance_serves_every_code_count_of_a_class_and_any_kv_head_count():
-    # MLX keeps no custom kernel on disk: every process compiles each instance it meets (~1-2 s each). The kernels
-    # read K and the KV-head count from their inputs' shapes, so a process meeting many cache shapes (the suite's
-    # examples) compiles one instance per dtype, group and head size and code capacity, not one per (K, n_kv)
-    seen = {}
-
-    def record(name, **spec):
-        seen.setdefault(name, set()).add(tuple((k, str(v)) for k, v in spec["template"]))
-        return [mx.zeros(shape, dtype=dt) for shape, dt in zip(spec["output_shapes"], spec["output_dtypes"])]
-
-    for n_kv, K in ((1, 8), (2, 64), (3, 256)):
-        x = selfcheck._random_case(T=700, n_q=2 * n_kv, n_kv=n_kv, d=64, K=K, dtype=mx.float16, seed=K)
-        _, sel, _ = cuda_decode.decode(x["q"], x["k"], x["v"], x["codes"], x["CT"], mx.array(x["inv"]),
-                                       counts=mx.zeros((1, n_kv, K), dtype=mx.int32), kept=False, kk=20, c0=4,
-                                       c1=600, counted=0, S=256, n=700, sinks=4, w=64, b=2048.0, query_pos=699.0,
-                                       scale=0.125, traditional=False, launch=record)
-        sel.mask()
-    assert sorted(seen) == ["attend", "mask", "select"] and all(len(v) == 1 for v in seen.values()), seen
-    # the classes: 256 codes (uint8), then multiples of 1,024; a model's K = 4096 gets exactly its own room
-    assert [cuda_decode.k_capacity(K) for K in (1, 256, 257, 1024, 1025, 4096)] == [256, 256, 1024, 1024, 2048, 4096]
-
-
 def test_step_params_layout_is_what_the_kernels_read():
     # the kernels read the step from two empty arrays' shapes (a2ats_step): a[1..7] = kk, c0, c1, counted, S, kept, n
     # and z[1..6] = sinks, w, (b, query position, scale) as float32 bits, chunk; a host/kernel mismatch here would

@@ -31,10 +31,7 @@ asks which tokens were selected (``KernelSelection.mask``, the cache's ``last_se
 Every per-step number (kk, the candidate range, the coded count, the slot count, the token count; b, the query
 position and the scale as float32 bits; the chunk length) travels as the shape of an empty array (step_params),
 which MLX passes to the kernel by value: decoding never recompiles a kernel and hands the GPU no host-written
-memory. The code count K and the KV-head count are read from the inputs' shapes too, so NVRTC compiles each
-kernel once per dtype, group size, head size and code capacity (``k_capacity``: the shared-memory room for K),
-not once per K and KV-head count (MLX keeps no custom kernel on disk: each process compiles its own, ~1-2 s
-each).
+memory. NVRTC compiles each kernel once per dtype and head shape.
 
 ``fast_decode`` runs this for method="cuda", and "auto" takes it on CUDA when ``usable()``: a once-per-process
 self-check that the kernels compile and reproduce the portable parts (the LUT against float64, the selected set
@@ -124,12 +121,6 @@ def lane_elems(d: int, itemsize: int) -> int | None:
     return None
 
 
-def k_capacity(K: int) -> int:
-    """The code count a kernel instance is compiled to hold (KCAP in the sources): 256 up to 256 codes (uint8
-    codes), else K rounded up to a multiple of 1,024. Every K of one class runs on one instance."""
-    return 256 if K <= 256 else -(-K // 1024) * 1024
-
-
 @lru_cache(maxsize=None)
 def shapes_supported(G: int, d: int, dv: int, K: int = 4096) -> bool:
     """Whether "auto" and method="cuda" take the kernels for this head shape: they fit it (kernels_fit) and d is
@@ -144,7 +135,6 @@ def kernels_fit(G: int, d: int, dv: int, K: int = 4096) -> bool:
     attend block's; a row split over lanes in 8-32 byte loads for 2- and 4-byte dtypes; G * EPL accumulators per
     lane; at most one float4 of a row's G * d outputs per thread in the merge."""
     epl = [lane_elems(d, s) for s in (2, 4)]
-    K = k_capacity(K)
     return (d == dv and None not in epl and 1 <= G <= 32 and G * max(epl) <= 64 and G * d <= 4 * ATTEND_THREADS
             and 4 * G * d + 8 * d + 4 * K + 4 * 256 * G + 16 * G + 16 <= _SHARED_LIMIT
             and _scan_smem(K, G, d) + 4 * WARPS + 8 + 4 * G * d + 8 * G + 4 <= _SHARED_LIMIT)
@@ -221,8 +211,8 @@ def select(queries, CT, inv, counts, codes, ip, *, traditional: bool, applied_an
         "select", inputs=[queries, CT, inv, tc, ts, counts, codes, *ip], output_shapes=[(BH, G, K), (BH, K), (BH, 3)],
         output_dtypes=[mx.float32, mx.uint8, mx.int32], grid=(SELECT_THREADS, BH, 1),
         threadgroup=(SELECT_THREADS, 1, 1),
-        template=[("T", queries.dtype), ("G", G), ("D", d), ("TRAD", int(traditional)), ("TABLES", int(tables)),
-                  ("KCAP", k_capacity(K)), ("CodeT", codes.dtype)])
+        template=[("T", queries.dtype), ("G", G), ("D", d), ("NKV", n_kv), ("TRAD", int(traditional)),
+                  ("TABLES", int(tables)), ("KS", K), ("CodeT", codes.dtype)])
 
 
 def attend(queries, keys, values, codes, lv, nsel, ip, *, n: int, chunk: int, launch=mlx_launch) -> mx.array:
@@ -238,7 +228,7 @@ def attend(queries, keys, values, codes, lv, nsel, ip, *, n: int, chunk: int, la
         output_shapes=[(BH, NC, G), (BH, NC, G), (BH, NC, G, d), (B, n_q, 1, d)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, values.dtype],
         grid=(NC * ATTEND_THREADS, BH, 1), threadgroup=(ATTEND_THREADS, 1, 1),
-        template=[("T", keys.dtype), ("G", G), ("D", d), ("NW", WARPS), ("SMEM", _scan_smem(k_capacity(K), G, d)),
+        template=[("T", keys.dtype), ("G", G), ("D", d), ("KS", K), ("NW", WARPS), ("SMEM", _scan_smem(K, G, d)),
                   ("EPL", lane_elems(d, keys.dtype.size)), ("U", ROWS_IN_FLIGHT), ("CodeT", codes.dtype)])
     return out
 
@@ -249,7 +239,7 @@ def selection_mask(codes, lv, nsel, ip, *, n: int, chunk: int, launch=mlx_launch
     (sel,) = launch(
         "mask", inputs=[codes, lv, nsel, *ip], output_shapes=[(BH, n)], output_dtypes=[mx.uint8],
         grid=(-(-n // chunk) * ATTEND_THREADS, BH, 1), threadgroup=(ATTEND_THREADS, 1, 1), init_value=0,
-        template=[("NW", WARPS), ("SMEM", _scan_smem(k_capacity(K))), ("CodeT", codes.dtype)])
+        template=[("KS", K), ("NW", WARPS), ("SMEM", _scan_smem(K)), ("CodeT", codes.dtype)])
     return sel.astype(mx.bool_)
 
 

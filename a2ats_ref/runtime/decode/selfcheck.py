@@ -18,20 +18,18 @@ from a2ats_ref.runtime.decode import cuda as cuda_decode
 from a2ats_ref.runtime.decode import portable as fd
 
 
-_USABLE: dict = {}   # (device, dtype, G, d, code capacity) -> the self-check's verdict, once per process
+_USABLE: dict = {}   # (device, dtype, G, n_kv, d, K) -> the self-check's verdict, once per process
 
 
 def usable(*, dtype=None, G: int | None = None, n_kv: int | None = None, d: int | None = None,
            K: int | None = None) -> bool:
     """Whether method="cuda" may be taken here: on a CUDA device, the kernels compile and reproduce the portable
     parts (compare_parts) on a small case of this head shape and dtype (a small float16 case when none is given),
-    so the check compiles the kernel instances the step will use. Checked once per process, dtype, group size,
-    head size and code capacity (cuda_decode.k_capacity): the kernels read K and the KV-head count at run time,
-    so other values of those run on the instance the check compiled and checked. A failure warns (with the
-    reason) and leaves "auto" on the portable step."""
+    so the check compiles the kernel instances the step will use. Checked once per process and shape; a failure
+    warns (with the reason) and leaves "auto" on the portable step."""
     if not cuda_decode.on_cuda():
         return False
-    key = (str(mx.default_device()), str(dtype), G, d, None if K is None else cuda_decode.k_capacity(K))
+    key = (str(mx.default_device()), str(dtype), G, n_kv, d, K)
     if key not in _USABLE:
         _USABLE[key] = _self_check(dtype or mx.float16, G or 4, n_kv or 2, d or 64, K or 64)
     return _USABLE[key]

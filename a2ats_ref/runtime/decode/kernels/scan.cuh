@@ -4,7 +4,7 @@
     const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
     const a2ats_step P(ipa_shape, ipb_shape);
     const int n = P.n, c0 = P.c0, c1 = P.c1, S = P.S;
-    const int Tc = codes_shape[2], KS = levels_shape[1];   // K at run time: SMEM holds up to KCAP levels
+    const int Tc = codes_shape[2];
     const int n1 = nsel[r * 3], n2 = nsel[r * 3 + 1];
     const CodeT* crow = codes + (size_t)r * Tc;
     // SMEM bytes: the code levels and the token list here; the attend kernel reuses them for its warps' partials

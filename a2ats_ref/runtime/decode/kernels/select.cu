@@ -1,15 +1,12 @@
 // RET-DECODE on CUDA: the select kernel's body (mx.fast.cuda_kernel source). MLX builds its signature from the
 // input and output names in runtime/decode/cuda.py's KERNELS; the shared helpers are in common.cuh.
     constexpr int H2 = D / 2;
-    // the code count K and the KV-head count come from CT's shape (n_kv, D, K), so one compiled instance serves
-    // every K up to its shared capacity KCAP and any number of KV heads
-    const int KS = CT_shape[2], NKV = CT_shape[0];
     const int r = blockIdx.y, h = r % NKV, tid = threadIdx.x, nt = blockDim.x, warp = tid >> 5, lane = tid & 31;
     const int Tc = codes_shape[2];
     const a2ats_step P(ipa_shape, ipb_shape);
     const int kk = P.kk, c0 = P.c0, c1 = P.c1, counted = P.counted, kept = P.kept, sinks = P.sinks, w = P.w;
     __shared__ float qs[G * D], rot[4 * H2];
-    __shared__ int cnt[KCAP];
+    __shared__ int cnt[KS];
     __shared__ int hist[G * 256];
     __shared__ unsigned pre[G];
     __shared__ int rem[G], above[G], nge[G], n12[2];
