@@ -362,8 +362,7 @@ class Model:
         for n in range(flat.shape[0]):
             for g in range(n_kv_heads):
                 for h in self.voters(G):
-                    order = np.argsort(-flat[n, g * G + h, idx], kind="stable")
-                    picked[n, g, idx[order[:k]]] = True
+                    picked[n, g, idx[_o.highest(flat[n, g * G + h, idx], k)]] = True
                     if margin is not None:
                         mu, ma = _o.topk_allowed(flat[n, g * G + h, idx], k, margin)
                         must[n, g, idx] |= mu

@@ -765,3 +765,25 @@ def test_oracle_cache_agrees_with_the_mlx_cache():
         assert np.allclose(out, orc.attention(q, mask), rtol=1e-4, atol=1e-4)
         qp = r.standard_normal(lead + (4, 3, 8)).astype(np.float32)
         assert np.allclose(ref.prefill(qp), orc.prefill(qp), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.clause("RET-SELECT", "RET-TOPK")
+@pytest.mark.parametrize("seed", range(6))
+def test_highest_and_topk_allowed_rank_as_a_stable_descending_sort(seed):
+    """highest and topk_allowed find order statistics by partition: the picks must be a stable descending sort's
+    first k (ties to the lowest index, -0.0 equal to 0.0, NaN last), and the allowed sets the sort's."""
+    r = rng(seed)
+    for _ in range(300):
+        n = int(r.integers(1, 40))
+        x = r.integers(-2, 3, n).astype(float) if seed % 2 else r.normal(size=n)
+        x[r.integers(0, n)] = -0.0
+        if seed >= 4:
+            x[r.integers(0, n)] = np.nan
+        for k in (0, 1, int(r.integers(0, n + 1)), n - 1, n, n + 2):
+            np.testing.assert_array_equal(o.highest(x, k), np.sort(np.argsort(-x, kind="stable")[:max(k, 0)]))
+        if seed < 4 and n >= 2:
+            k, margin = int(r.integers(1, n)), float(r.choice([0.0, 0.5]))
+            desc = -np.sort(-x)
+            must, may = o.topk_allowed(x, k, margin)
+            np.testing.assert_array_equal(must, x > desc[k] + margin)
+            np.testing.assert_array_equal(may, x >= desc[k - 1] - margin)
