@@ -73,6 +73,8 @@ def _pytest_args(a, ini_path: str, cex_dir: str, repro_prefix: str) -> list[str]
         args += ["-k", a.k]
     if getattr(a, "no_port_profile", False):
         args.append("--a2ats-no-port-profile")
+    if getattr(a, "no_diagnosis", False):
+        args.append("--a2ats-no-diagnosis")
     if a.n and a.n > 1:
         args += ["-p", XDIST_PLUGIN, "-n", str(a.n)]
     return args
@@ -155,6 +157,9 @@ def _parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_EXAMPLE_TIMEOUT_S:g}; 0: no limit)")
     p.add_argument("--no-port-profile", action="store_true",
                    help="skip the port profile (each mechanism's variant, measured on its own probe)")
+    p.add_argument("--no-diagnosis", action="store_true",
+                   help="verdicts and minimal counterexamples only: no revealing search and no likely causes "
+                        "after a failure (faster on a failing port; the causes are what tells you why)")
     p.add_argument("-k", default=None, help="pytest -k expression")
     p.add_argument("-v", "--verbose", action="store_true", help="pytest's verbose output (one line per test)")
     p.add_argument("-q", "--quiet", action="store_true", help="no pytest output, only the table")

@@ -111,6 +111,8 @@ def pytest_addoption(parser):
     g.addoption("--clauses", default=None, help="comma-separated clause IDs: run only tests citing one of them")
     g.addoption("--a2ats-no-port-profile", action="store_true", default=False,
                 help="skip the port profile (each mechanism's variant, measured on its own probe)")
+    g.addoption("--a2ats-no-diagnosis", action="store_true", default=False,
+                help="no revealing search and no likely causes after a failure")
     g.addoption("--a2ats-example-timeout", type=float, default=DEFAULT_EXAMPLE_TIMEOUT_S,
                 help="seconds per example before the test fails as 'timeout' (0: no limit)")
     # Set by the supervising a2ats-conformance process (supervisor.py):
@@ -321,7 +323,8 @@ def pytest_runtest_call(item):
         outcome = yield
     finally:
         h.inner_test = inner
-    if outcome.excinfo is not None and ctx.failures:   # diagnosis: only ever after a failure
+    if outcome.excinfo is not None and ctx.failures and not item.config.getoption("a2ats_no_diagnosis"):
+        # diagnosis: only ever after a failure
         from a2ats_conformance.diagnosis.diagnose import explain_failure  # deferred: only after a failure
 
         try:   # diagnosis calls the IUT again (revealing search): each of those examples gets the same hang limit

@@ -270,3 +270,18 @@ def test_plugins_installed_beside_the_suite_are_not_loaded_in_its_run(tmp_path):
                         "--report-json", str(out)], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 0 and not mark.exists(), p.stdout[-2000:] + p.stderr[-2000:]
     assert json.loads(out.read_text())["clauses"]["ROPE-FREQ"]["status"] == "pass"
+
+
+def test_no_diagnosis_gives_the_same_verdict_without_causes(tmp_path):
+    """--no-diagnosis skips the revealing search and the likely causes, and nothing else: the failing clause, its
+    failing tests and its minimal counterexample's message are those of a run with the diagnosis."""
+    args = ["--iut", "a2ats_conformance.mutants:TopkCeil", "--profile", "selftest", "--seed", "0", "-q",
+            "--no-port-profile", "--clauses", "RET-TOPK"]
+    reps = {}
+    for mode in ("diagnosed", "undiagnosed"):
+        code, reps[mode], _, _ = _cli(tmp_path, *args, *(["--no-diagnosis"] if mode == "undiagnosed" else []), name=mode)
+        assert code == 1 and reps[mode]["clauses"]["RET-TOPK"]["status"] == "fail"
+    with_, without = (reps[m]["clauses"]["RET-TOPK"] for m in ("diagnosed", "undiagnosed"))
+    assert with_["counterexample"].get("likely_causes") and "likely_causes" not in without["counterexample"]
+    assert with_["failed_tests"] == without["failed_tests"]
+    assert without["counterexample"]["message"] in with_["counterexample"]["message"]

@@ -14,7 +14,7 @@ from a2ats_conformance.mutants import COVERAGE_MUTANTS, GAP_MUTANTS, MUTANTS
 @pytest.mark.parametrize("name", sorted(GAP_MUTANTS))
 def test_gap_mutant_is_rejected_on_its_clause(rejected_on_its_clause, name):
     cls = GAP_MUTANTS[name]
-    verdict = rejected_on_its_clause(name)
+    verdict = rejected_on_its_clause(name, diagnose=bool(cls.expected_cause))
     cex = verdict["counterexample"]
     assert any(t.split("[")[0] == cls.gap for t in verdict["failed_tests"]), (cls.gap, verdict["failed_tests"])
     cause = cls.expected_cause
