@@ -272,7 +272,9 @@ def format_markdown(report: dict) -> str:
             f"- versions: {versions_line(report)}",
             f"- missing callables: {', '.join(impl.get('missing', [])) or 'none'}",
             f"- declared capabilities: {_caps_line(impl.get('capabilities'))}",
-            f"- counterexamples: `{(report.get('run') or {}).get('counterexample_dir', '-')}`", "",
+            f"- counterexamples: `{(report.get('run') or {}).get('counterexample_dir', '-')}`",
+            *([] if (report.get("run") or {}).get("diagnosis", True) else
+              ["- diagnosis: off (`--no-diagnosis`): failures name no likely cause and no revealing example"]), "",
             f"**{verdict_line(report)}**", ""]
     if report.get("port_profile"):
         out += ["## Port profile", "", "Each mechanism measured on its own probe and classified among the "

@@ -279,8 +279,10 @@ def test_no_diagnosis_gives_the_same_verdict_without_causes(tmp_path):
             "--no-port-profile", "--clauses", "RET-TOPK"]
     reps = {}
     for mode in ("diagnosed", "undiagnosed"):
-        code, reps[mode], _, _ = _cli(tmp_path, *args, *(["--no-diagnosis"] if mode == "undiagnosed" else []), name=mode)
+        code, reps[mode], md, _ = _cli(tmp_path, *args, *(["--no-diagnosis"] if mode == "undiagnosed" else []), name=mode)
         assert code == 1 and reps[mode]["clauses"]["RET-TOPK"]["status"] == "fail"
+        assert reps[mode]["run"]["diagnosis"] == (mode == "diagnosed")     # the report says which it was
+        assert ("diagnosis: off" in md) == (mode == "undiagnosed")
     with_, without = (reps[m]["clauses"]["RET-TOPK"] for m in ("diagnosed", "undiagnosed"))
     assert with_["counterexample"].get("likely_causes") and "likely_causes" not in without["counterexample"]
     assert with_["failed_tests"] == without["failed_tests"]
