@@ -473,10 +473,10 @@ def _nearest_rows(z: np.ndarray, Cz: np.ndarray) -> np.ndarray:
         # 2^-1074 per operation: the absolute error of a subnormal result, which the relative bound u misses
         slack = 8 * (2 * d + 5) * (2.0 ** -53 * (np.sqrt(np.einsum("nd,nd->n", z, z)) + np.sqrt(cc.max())) ** 2
                                    + 2.0 ** -1074)
-    if not (np.all(np.isfinite(est)) and np.all(np.isfinite(slack))):   # overflow: every j stays
-        slack = np.full(z.shape[0], np.inf)
-        est = np.zeros_like(est)
-    keep = est <= (np.min(est, axis=1) + slack)[:, None]
+    if np.all(np.isfinite(est)) and np.all(np.isfinite(slack)):
+        keep = est <= (np.min(est, axis=1) + slack)[:, None]
+    else:                                            # overflow: every j stays
+        keep = np.ones(est.shape, dtype=bool)
     i, j = np.nonzero(keep)                          # row-major: j ascending within each row
     dist = np.sum((z[i] - Cz[j]) ** 2, axis=-1)
     order = np.lexsort((j, dist, i))                 # by row, then distance, then lowest j

@@ -362,9 +362,10 @@ class Model:
         for n in range(flat.shape[0]):
             for g in range(n_kv_heads):
                 for h in self.voters(G):
-                    picked[n, g, idx[_o.highest(flat[n, g * G + h, idx], k)]] = True
+                    row = flat[n, g * G + h, idx]
+                    picked[n, g, idx[_o.highest(row, k)]] = True
                     if margin is not None:
-                        mu, ma = _o.topk_allowed(flat[n, g * G + h, idx], k, margin)
+                        mu, ma = _o.topk_allowed(row, k, margin)
                         must[n, g, idx] |= mu
                         may[n, g, idx] |= ma
         lead = s.shape[:-2] + (n_kv_heads, T)
