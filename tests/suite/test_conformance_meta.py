@@ -269,7 +269,6 @@ def test_properties_hold_no_bare_assert():
     assert not found, found
 
 
-
 def test_profiles_shrink_without_the_explain_phase():
     """Hypothesis' explain phase traces every run of a test after its first failure, which made a failing port's
     run markedly slower; the suite's own diagnosis explains failures. Shrinking stays where a profile shrinks."""
