@@ -17,6 +17,9 @@ from a2ats_conformance.harness.decode_checks import check_decode, check_head_cou
 from a2ats_conformance.harness.tolerances import tolerance
 from a2ats_spec import oracle
 
+#: every property here builds and runs the port's whole cache per example: the suite's heaviest, started first
+#: when the run has workers (plugin.heavy_first)
+pytestmark = pytest.mark.cost(1)
 
 #: config["scale"], the attention scale of the cache's decode and prefill: None (1/sqrt(d)) or a model's own
 #: (Gemma's query_pre_attn_scalar); the oracle side of every comparison uses config["scale"]. No scale far

@@ -58,6 +58,7 @@ def cache_near_tie_case(draw, *, dtype):
 
 
 @pytest.mark.clause("CACHE-DECODE", requires={"cache_ops": "decode"})
+@pytest.mark.cost(2)   # a new head shape per example: on a GPU, each one compiles and self-checks the decode kernels
 @settings(max_examples=max(5, settings.default.max_examples // 5))   # each example builds a 200-400 token cache
 @given(data=st.data())
 def test_cache_decode_near_ties(ctx, data):

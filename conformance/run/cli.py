@@ -76,7 +76,8 @@ def _pytest_args(a, ini_path: str, cex_dir: str, repro_prefix: str) -> list[str]
     if getattr(a, "no_diagnosis", False):
         args.append("--a2ats-no-diagnosis")
     if a.n and a.n > 1:
-        args += ["-p", XDIST_PLUGIN, "-n", str(a.n)]
+        # one test at a time per worker after the first two (plugin.heavy_first says why)
+        args += ["-p", XDIST_PLUGIN, "-n", str(a.n), "--maxschedchunk", "1"]
     return args
 
 

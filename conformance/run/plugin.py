@@ -161,6 +161,8 @@ def _usage_error(config, msg: str):
 def pytest_configure(config):
     config.addinivalue_line("markers", "clause(*ids, needs=(), requires={}): spec clauses this property checks "
                             "(a2ats_spec.clauses), the adapter callables and the capabilities it needs")
+    config.addinivalue_line("markers", "cost(rank): how heavy one run of this property is, relative to the rest "
+                            "(0 when absent); with workers, the costliest start first (heavy_first)")
     try:
         spec = resolve_iut_spec(config.getoption("iut"))
     except AdapterError as exc:
@@ -270,6 +272,32 @@ def pytest_collection_modifyitems(session, config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    if hasattr(config, "workerinput"):
+        items[:] = heavy_first(items, config.workerinput["workercount"])
+
+
+def _cost(item) -> int:
+    marks = list(item.iter_markers("cost"))
+    return max(int(m.args[0]) for m in marks) if marks else 0
+
+
+def heavy_first(items: list, workers: int) -> list:
+    """The order pytest-xdist hands the tests out in: the costliest (the ``cost`` marker) first, each of the
+    first ``workers`` paired with a light one.
+
+    The run's wall time is its busiest worker's. xdist's load scheduler (with --maxschedchunk 1, as the CLI runs
+    it) gives each worker two consecutive tests and then one more whenever it finishes one, and a worker runs a
+    test only once it holds the next. Heavy tests collected side by side (one property in three dtypes) would then
+    run back to back on one worker while the others idle at the end: on a GPU, where each new head shape costs a
+    kernel self-check, that doubled the suite's time. Paired this way, each worker starts on one heavy test, and
+    the remaining heavy ones go to whichever worker frees first, ahead of the light ones. Every worker
+    computes the same order from the same collection."""
+    ranked = sorted(items, key=_cost, reverse=True)   # stable: collection order within a cost
+    heavy = [it for it in ranked if _cost(it) > 0]
+    light = [it for it in ranked if _cost(it) == 0]
+    paired = min(len(heavy), len(light), max(1, workers))
+    order = [it for pair in zip(heavy[:paired], light[:paired]) for it in pair]
+    return order + heavy[paired:] + light[paired:]
 
 
 def pytest_collection_finish(session):

@@ -280,3 +280,86 @@ def test_profiles_shrink_without_the_explain_phase():
         phases = settings.get_profile(name).phases
         assert Phase.explain not in phases and Phase.generate in phases, (name, phases)
         assert (Phase.shrink in phases) == (name != "selftest"), (name, phases)
+
+
+def _xdist_makespan(order: list, workers: int) -> float:
+    """The wall time of running ``order`` ((name, seconds) pairs) on ``workers`` pytest-xdist workers under its own
+    load scheduler, as the suite's CLI configures it (--maxschedchunk 1). A worker runs a test once it holds the
+    next one or was told to shut down, and the controller shuts every worker down once none holds two."""
+    from xdist.scheduler.load import LoadScheduling
+
+    class Config:
+        def getvalue(self, name):
+            return [f"{workers}*popen"]
+
+        def getoption(self, name):
+            return 1
+
+    class Node:
+        def __init__(self, i):
+            self.gateway, self.held, self.shutting_down, self.busy_until = types.SimpleNamespace(id=f"gw{i}"), [], False, None
+
+        def send_runtest_some(self, indices):
+            self.held += indices
+
+        def shutdown(self):
+            self.shutting_down = True
+
+    sched, nodes = LoadScheduling(Config()), [Node(i) for i in range(workers)]
+    for node in nodes:
+        sched.add_node(node)
+    for node in nodes:
+        sched.add_node_collection(node, [name for name, _ in order])
+    sched.schedule()
+    now, done = 0.0, 0
+    while done < len(order):
+        if not sched.pending and all(len(n.held) < 2 for n in nodes):
+            for n in nodes:
+                n.shutdown()
+        for n in nodes:
+            if n.busy_until is None and (len(n.held) >= 2 or (n.held and n.shutting_down)):
+                n.busy_until = now + order[n.held[0]][1]
+        node = min((n for n in nodes if n.busy_until is not None), key=lambda n: n.busy_until)
+        now, node.busy_until, index = node.busy_until, None, node.held.pop(0)
+        sched.mark_test_complete(node, index, order[index][1])
+        done += 1
+    return now
+
+
+def test_heavy_tests_start_first_one_per_worker():
+    """With workers, the suite's run takes about as long as its heaviest test, not two heavy tests back to back.
+
+    The cache properties' durations on a GPU: three near-tie tests of ~50 s (one per dtype, collected side by side),
+    14 others of 10-30 s, and 137 light ones."""
+    from a2ats_conformance.run.plugin import heavy_first
+
+    def item(name, cost):
+        marks = [types.SimpleNamespace(name="cost", args=(cost,))] if cost else []
+        return types.SimpleNamespace(name=name, iter_markers=lambda name="cost", m=marks: iter(m))
+
+    seconds = {}
+    light = [item(f"light{i}", 0) for i in range(137)]
+    cache = [item(f"cache{i}", 1) for i in range(14)]
+    ties = [item(f"ties[{dt}]", 2) for dt in ("float32", "float16", "bfloat16")]
+    seconds.update({it.name: 0.5 for it in light}, **{it.name: 10.0 + 20.0 * (i % 2) for i, it in enumerate(cache)},
+                   **{it.name: 50.0 for it in ties})
+    collected = light[:40] + cache + ties + light[40:]
+    for workers in (2, 4, 15):
+        bound = max(max(seconds.values()), sum(seconds.values()) / workers)
+        ordered = heavy_first(collected, workers)
+        assert sorted(it.name for it in ordered) == sorted(it.name for it in collected)
+        span = _xdist_makespan([(it.name, seconds[it.name]) for it in ordered], workers)
+        assert span <= 1.15 * bound, (workers, span, bound)
+    # the collection's own order runs two heavy tests back to back on one worker
+    assert _xdist_makespan([(it.name, seconds[it.name]) for it in collected], 15) >= 1.5 * 50.0
+
+
+def test_the_cli_hands_out_one_test_at_a_time_and_marks_the_cache_properties_heavy():
+    from a2ats_conformance.properties import test_cache, test_cache_near_ties
+    from a2ats_conformance.run.cli import _parser, _pytest_args
+
+    args = _pytest_args(_parser().parse_args(["-n", "4"]), "ini", "cex", "")
+    assert args[args.index("--maxschedchunk") + 1] == "1"
+    assert "--maxschedchunk" not in _pytest_args(_parser().parse_args([]), "ini", "cex", "")
+    assert test_cache.pytestmark.name == "cost" and test_cache.pytestmark.args == (1,)
+    assert [m.args for m in test_cache_near_ties.test_cache_decode_near_ties.pytestmark if m.name == "cost"] == [(2,)]
