@@ -288,8 +288,8 @@ def heavy_first(items: list, workers: int) -> list:
     The run's wall time is its busiest worker's. xdist's load scheduler (with --maxschedchunk 1, as the CLI runs
     it) gives each worker two consecutive tests and then one more whenever it finishes one, and a worker runs a
     test only once it holds the next. Heavy tests collected side by side (one property in three dtypes) would then
-    run back to back on one worker while the others idle at the end: on a GPU, where each new head shape costs a
-    kernel self-check, that doubled the suite's time. Paired this way, each worker starts on one heavy test, and
+    run back to back on one worker while the others idle at the end: on a GPU, where each new head shape compiles
+    the decode kernels (a2ats_ref.runtime.decode.cuda), that nearly doubled the suite's time. Paired this way, each worker starts on one heavy test, and
     the remaining heavy ones go to whichever worker frees first, ahead of the light ones. Every worker
     computes the same order from the same collection."""
     ranked = sorted(items, key=_cost, reverse=True)   # stable: collection order within a cost
