@@ -283,21 +283,19 @@ def _cost(item) -> int:
 
 def heavy_first(items: list, workers: int) -> list:
     """The order pytest-xdist hands the tests out in: the costliest (the ``cost`` marker) first, each of the
-    first ``workers`` paired with a light one.
+    first ``workers`` paired with one of the lightest.
 
     The run's wall time is its busiest worker's. xdist's load scheduler (with --maxschedchunk 1, as the CLI runs
     it) gives each worker two consecutive tests and then one more whenever it finishes one, and a worker runs a
     test only once it holds the next. Heavy tests collected side by side (one property in three dtypes) would then
     run back to back on one worker while the others idle at the end: on a GPU, where each new head shape compiles
-    the decode kernels (a2ats_ref.runtime.decode.cuda), that nearly doubled the suite's time. Paired this way, each worker starts on one heavy test, and
-    the remaining heavy ones go to whichever worker frees first, ahead of the light ones. Every worker
-    computes the same order from the same collection."""
+    the decode kernels (a2ats_ref.runtime.decode.cuda), that nearly doubled the suite's time. Paired this way,
+    each worker starts on one heavy test, and the remaining heavy ones go to whichever worker frees first, ahead
+    of the light ones. Every worker computes the same order from the same collection."""
     ranked = sorted(items, key=_cost, reverse=True)   # stable: collection order within a cost
-    heavy = [it for it in ranked if _cost(it) > 0]
-    light = [it for it in ranked if _cost(it) == 0]
-    paired = min(len(heavy), len(light), max(1, workers))
-    order = [it for pair in zip(heavy[:paired], light[:paired]) for it in pair]
-    return order + heavy[paired:] + light[paired:]
+    n = min(max(1, workers), len(ranked) // 2)
+    heads, rest, tails = ranked[:n], ranked[n:len(ranked) - n], ranked[len(ranked) - n:][::-1]
+    return [it for pair in zip(heads, tails) for it in pair] + rest
 
 
 def pytest_collection_finish(session):

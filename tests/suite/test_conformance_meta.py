@@ -350,6 +350,12 @@ def test_heavy_tests_start_first_one_per_worker():
         assert sorted(it.name for it in ordered) == sorted(it.name for it in collected)
         span = _xdist_makespan([(it.name, seconds[it.name]) for it in ordered], workers)
         assert span <= 1.15 * bound, (workers, span, bound)
+    # with no light test to pair with (a run of the cache clauses alone), the heaviest still start apart
+    only_heavy = cache + ties
+    for workers in (2, 4, 8, 15):
+        bound = max(50.0, sum(seconds[it.name] for it in only_heavy) / workers)
+        span = _xdist_makespan([(it.name, seconds[it.name]) for it in heavy_first(only_heavy, workers)], workers)
+        assert span <= 1.5 * bound, (workers, span, bound)
     # the collection's own order runs two heavy tests back to back on one worker
     assert _xdist_makespan([(it.name, seconds[it.name]) for it in collected], 15) >= 1.5 * 50.0
 
