@@ -21,6 +21,13 @@ times dense and the step (--method, default auto) as a generation loop runs them
 the next token's graph while the device computes the current one (mx.async_eval), so a step's host work hides
 behind the previous step's device work. Each loop keeps one step in flight; the loops alternate in blocks. This
 is throughput, not latency: a2ats-bench's decode rows time each step alone, host graph building included.
+
+    python -m a2ats_ref.bench.decode_profile --first-use --dtype float16
+
+times the CUDA step's first call for each of a few head shapes (FIRST_USE_SHAPES) in this process: NVRTC
+compiling the kernel instances of that shape and dtype, loading and running them; then a second call, and how
+many files of those kernels MLX left in its JIT folder (MLX_PTX_CACHE_DIR). None means every new process
+compiles them again: what a model pays once at its first token, and a test run per head shape it draws.
 """
 
 from __future__ import annotations
@@ -130,6 +137,38 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
     return {"T": T, "dtype": dtype_name, "median_ms": {k: round(v["median_ms"], 4) for k, v in res.items()}}
 
 
+#: (G, n_kv, d, K) --first-use compiles for: shapes the conformance suite's cache properties draw, and Llama-3.1-8B's
+FIRST_USE_SHAPES = ((1, 1, 64, 64), (2, 1, 128, 128), (2, 2, 64, 128), (4, 8, 128, 4096))
+
+
+def _kernel_files() -> int | None:
+    """Files of this package's kernels (named a2ats_...) in MLX's JIT folder, or None where no folder is set."""
+    root = os.environ.get("MLX_PTX_CACHE_DIR")
+    if not root:
+        return None
+    return sum(1 for _, _, files in os.walk(root) for f in files if "a2ats" in f)
+
+
+def first_use(dtype_name: str, shapes=FIRST_USE_SHAPES, T: int = 4096) -> dict:
+    """Seconds of the CUDA step's first and second call per head shape (see the module docstring)."""
+    if not cd.on_cuda():
+        raise SystemExit("--first-use times the CUDA kernels' compilation: run it on MLX's CUDA backend")
+    dtype, rows = bench_speed.DTYPES[dtype_name], []
+    for G, n_kv, d, K in shapes:
+        x = bench_speed.decode_step_inputs(T, dtype, n_q=G * n_kv, n_kv=n_kv, d=d, K=K)
+        kw = bench_speed.decode_step_kwargs(x, T, d=d, K=K)
+        step = lambda: dispatch.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method="cuda", **kw)
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            mx.eval(step())
+            times.append(time.perf_counter() - t0)
+        rows.append({"G": G, "n_kv": n_kv, "d": d, "K": K, "first_s": round(times[0], 3),
+                     "second_s": round(times[1], 4)})
+    return {"dtype": dtype_name, "T": T, "device": str(mx.default_device()), "shapes": rows,
+            "mlx_jit_files_of_these_kernels": _kernel_files()}
+
+
 def _pipelined_ms(fn, steps: int) -> float:
     """ms per step of `steps` calls of fn with one step in flight: build step k + 1, hand it to the device
     (async_eval), then wait for step k (as mlx-lm's generate_step yields the previous token)."""
@@ -187,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", action="store_true", help="time the CUDA step's parts (MLX CUDA only), no profiler")
     ap.add_argument("--pipelined", action="store_true",
                     help="dense vs the step as a generation loop runs them (one step in flight), no profiler")
+    ap.add_argument("--first-use", action="store_true",
+                    help="seconds of the CUDA step's first call per head shape (kernel compilation), no profiler")
     a = ap.parse_args(argv)
     if a.summarize:
         print(summarize(a.summarize))
@@ -195,6 +236,9 @@ def main(argv=None) -> int:
         ap.error("--T: a multiple of 256 (the bench's KVCache hands back its own buffer then)")
     if a.parts:
         print(parts(a.T, a.dtype))
+        return 0
+    if a.first_use:
+        print(first_use(a.dtype))
         return 0
     if a.pipelined:
         if a.method == "dense":

@@ -301,6 +301,19 @@ def test_decode_profile_parts_times_the_cuda_step_or_says_where_it_runs():
     assert all(v > 0 for v in got.values()), got
 
 
+def test_decode_profile_first_use_times_each_shapes_compilation_or_says_where_it_runs():
+    from a2ats_ref.bench import decode_profile
+
+    if not ON_CUDA:
+        with pytest.raises(SystemExit, match="MLX's CUDA backend"):
+            decode_profile.first_use("float16")
+        return
+    got = decode_profile.first_use("float16", shapes=((1, 1, 64, 64), (2, 1, 128, 128)), T=1024)
+    assert [(r["G"], r["d"]) for r in got["shapes"]] == [(1, 64), (2, 128)]
+    assert all(r["first_s"] > 0 and r["second_s"] > 0 for r in got["shapes"]), got
+    assert got["mlx_jit_files_of_these_kernels"] is None or got["mlx_jit_files_of_these_kernels"] >= 0
+
+
 def test_decode_profile_pipelined_keeps_one_step_in_flight_and_times_both():
     from a2ats_ref.bench import decode_profile
 
