@@ -32,10 +32,9 @@ Every per-step number (kk, the candidate range, the coded count, the slot count,
 position and the scale as float32 bits; the chunk length) travels as the shape of an empty array (step_params),
 which MLX passes to the kernel by value: decoding never recompiles a kernel and hands the GPU no host-written
 memory. NVRTC compiles each kernel once per process, dtype and head shape: MLX 0.32 keeps no on-disk copy of
-``mx.fast.cuda_kernel`` modules (the PTX pool of ``a2ats_conformance.harness.suite_env`` holds only MLX's own), and
-on an H100 the select and attend instances of a new head shape took 2.4-3.0 s together, the mask kernel 1.2 s
-(``python -m a2ats_ref.bench.decode_profile --first-use`` times the first call per shape). A model pays that once;
-a test run that draws a new head shape per example pays it per example.
+``mx.fast.cuda_kernel`` modules, and on an H100 the select and attend instances of a new head shape took 2.4-3.0 s
+together, the mask kernel 1.2 s (``python -m a2ats_ref.bench.decode_profile --first-use`` times the first call per
+shape). A model pays that once; a test run that draws a new head shape per example pays it per example.
 
 ``fast_decode`` runs this for method="cuda", and "auto" takes it on CUDA when ``usable()``: a once-per-process
 self-check that the kernels compile and reproduce the portable parts (the LUT against float64, the selected set
