@@ -223,6 +223,31 @@ def test_cuda_step_parts_match_the_portable_step(dtype, T, n_q, n_kv, d, K, kept
     assert diff["max_rel_err"] <= (1e-5 if dtype == mx.float32 else 1e-2), diff
 
 
+@pytest.mark.clause("RET-SELECT", "RET-DECODE")
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend (the kernels are CUDA source)")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("T,n_q,n_kv,d,K,kept,S", [(5000, 32, 8, 128, 256, True, None), (3000, 6, 3, 64, 64, False, None),
+                                                   (1500, 4, 4, 32, 8, True, 60)])
+def test_kept_cubins_match_the_portable_step_and_load_without_compiling(dtype, T, n_q, n_kv, d, K, kept, S, tmp_path,
+                                                                       monkeypatch):
+    from a2ats_ref.runtime.decode import precompiled
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = []
+    real = precompiled.compile_cubin
+    monkeypatch.setattr(precompiled, "compile_cubin", lambda *a: built.append(a[1]) or real(*a))
+    diff = selfcheck.compare_parts(T=T, n_q=n_q, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=T, kept=kept, S=S,
+                                   launch=precompiled.launch)
+    assert diff["lut_rel_err"] <= 1e-5 and diff["same_selection"], diff
+    assert diff["max_rel_err"] <= (1e-5 if dtype == mx.float32 else 1e-2), diff
+    assert len(built) == 3 and len(list((tmp_path / "a2ats-ref" / "cuda-kernels").glob("*.cubin"))) == 3
+    monkeypatch.setattr(precompiled, "_CUBINS", {})   # as a new process: the kept files, no compiler
+    monkeypatch.setattr(precompiled, "compile_cubin", lambda *a: pytest.fail("compiled a kept kernel again"))
+    for name in ("select", "attend", "mask"):
+        symbol = next(p.stem for p in (tmp_path / "a2ats-ref" / "cuda-kernels").glob(f"a2ats_{name}_*.cubin"))
+        assert precompiled.cubin(symbol, "unused")
+
+
 def test_step_params_layout_is_what_the_kernels_read():
     # the kernels read the step from two empty arrays' shapes (a2ats_step): a[1..7] = kk, c0, c1, counted, S, kept, n
     # and z[1..6] = sinks, w, (b, query position, scale) as float32 bits, chunk; a host/kernel mismatch here would

@@ -15,7 +15,7 @@ import numpy as np
 
 from a2ats_ref.retrieval import own_token_only, topk_count
 from a2ats_ref.runtime.decode import cuda as cuda_decode
-from a2ats_ref.runtime.decode import portable
+from a2ats_ref.runtime.decode import portable, precompiled
 from a2ats_ref.runtime.decode.portable import (  # noqa: F401  (the step's public helpers, one import away)
     TUNE_ALLOCATOR_ENV, allocator_tuned, allocator_tuning_wanted, code_counts, prepare_codebook, selection_size,
     tune_allocator)
@@ -155,7 +155,8 @@ def _decode_sortfree(queries, keys, values, codes, CT, inv, *, cuda=False, i, b,
         out, sel, _ = cuda_decode.decode(
             queries, keys, values, codes, CT, inv.astype(f32), counts=counts.astype(i32), kept=kept, kk=kk, c0=c0,
             c1=c1, counted=counted, S=S, n=n, sinks=sinks, w=w, b=float(b), query_pos=float(i),
-            scale=scale, traditional=traditional, applied_angle=applied_angle, n_tokens=n_tokens)
+            scale=scale, traditional=traditional, applied_angle=applied_angle, n_tokens=n_tokens,
+            launch=precompiled.default_launch())
         if not wants_selection:
             return out
         return out, (sel if return_selection else sel.mask())   # the mask kernel runs only if mask() is asked for

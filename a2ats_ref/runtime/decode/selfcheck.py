@@ -15,6 +15,7 @@ import numpy as np
 from a2ats_ref.codes import code_dtype
 from a2ats_ref.retrieval import topk_count
 from a2ats_ref.runtime.decode import cuda as cuda_decode
+from a2ats_ref.runtime.decode import precompiled
 from a2ats_ref.runtime.decode import portable as fd
 
 
@@ -62,7 +63,7 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
     S (default: fast_decode.sortfree_width) may be set smaller to make the slot cut bind. launch runs the kernels
     (default: MLX CUDA; tests/gpu/cuda_emu.py's host emulator runs the same sources on any machine).
     """
-    launch = cuda_decode.mlx_launch if launch is None else launch
+    launch = precompiled.default_launch() if launch is None else launch
     if not cuda_decode.kernels_fit(n_q // n_kv, d, d, K):
         raise ValueError(f"compare_parts: the kernels do not fit G={n_q // n_kv}, d={d}, K={K} (kernels_fit)")
     x = _random_case(T=T, n_q=n_q, n_kv=n_kv, d=d, K=K, dtype=dtype, seed=seed)

@@ -1,0 +1,202 @@
+"""RET-DECODE on CUDA, compiled once per machine: the decode kernels of ``runtime.decode.cuda`` built by NVRTC here,
+kept on disk, and run through MLX's ``mx.fast.precompiled_cuda_kernel``.
+
+MLX 0.32 keeps what ``mx.fast.cuda_kernel`` compiles in memory only, so every process compiles each kernel instance
+it uses again (``runtime.decode.cuda`` says what that costs). ``launch`` takes what ``cuda.mlx_launch`` takes and
+runs the same kernel bodies:
+
+- the source is the one MLX would build, with the signature written here: ``extern "C"``, one pointer per input
+  and output in the spec's order, then the shape of each input the body reads (``<name>_shape``) as int
+  arguments by value, which the body reads back from a local array of that name. An input whose only content is
+  its shape (the step's empty parameter arrays) goes as its shape alone;
+- NVRTC compiles it as MLX does (``--gpu-architecture=sm_<major><minor>`` and the CUDA include folder, no other
+  option), so the machine code is the same;
+- the cubin is kept under the user's cache folder, named by a digest of the source, the options and the NVRTC
+  version, and written atomically: a later process, or another worker, loads it without compiling.
+
+Nothing here runs unless ``A2ATS_PRECOMPILED_KERNELS=1`` (``enabled``): the path has not yet been run on a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import os
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+
+from a2ats_ref.runtime.decode import cuda as cuda_decode
+
+#: set to 1 to run the decode kernels through this module instead of mx.fast.cuda_kernel
+ENV = "A2ATS_PRECOMPILED_KERNELS"
+#: C type of each MLX dtype a kernel argument can have
+CTYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint8: "unsigned char",
+          mx.uint16: "unsigned short", mx.int32: "int", mx.uint32: "unsigned int", mx.bool_: "bool"}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def default_launch():
+    """The launcher the decode step and its self-check use: this module's where enabled(), else MLX's JIT."""
+    return launch if enabled() else cuda_decode.mlx_launch
+
+
+def _site_dirs() -> list[str]:
+    return [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+
+
+@lru_cache(maxsize=None)
+def nvrtc() -> ctypes.CDLL:
+    """libnvrtc: the one beside MLX's CUDA libraries (site-packages/nvidia/cuda_nvrtc), else the CUDA toolkit's."""
+    found = [lib for root in _site_dirs()
+             for lib in sorted(glob.glob(os.path.join(root, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*")))
+             if "builtins" not in lib and ".alt." not in lib]
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
+    for lib in found:
+        try:
+            return ctypes.CDLL(lib)
+        except OSError:
+            continue
+    raise RuntimeError(f"{ENV}=1 needs libnvrtc: none beside MLX (site-packages/nvidia/cuda_nvrtc) or in {home}/lib64")
+
+
+@lru_cache(maxsize=None)
+def cuda_include() -> str:
+    """The folder with cuda_fp16.h that NVRTC compiles against: the CUDA toolkit's (as MLX uses), else the pip
+    package's."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    dirs = [os.path.join(home, "include")] + [os.path.join(r, "nvidia", "cuda_runtime", "include") for r in _site_dirs()]
+    for d in dirs:
+        if os.path.isfile(os.path.join(d, "cuda_fp16.h")):
+            return d
+    raise RuntimeError(f"{ENV}=1 needs the CUDA headers (cuda_fp16.h): none in {dirs}")
+
+
+@lru_cache(maxsize=None)
+def compute_capability() -> tuple[int, int]:
+    """(major, minor) of CUDA device 0, from the driver."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    for call in (lambda: cu.cuInit(0), lambda: cu.cuDeviceGet(ctypes.byref(dev), 0),
+                 lambda: cu.cuDeviceGetAttribute(ctypes.byref(major), 75, dev),    # ..._COMPUTE_CAPABILITY_MAJOR
+                 lambda: cu.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev)):   # ..._COMPUTE_CAPABILITY_MINOR
+        if call() != 0:
+            raise RuntimeError("the CUDA driver did not report device 0's compute capability")
+    return major.value, minor.value
+
+
+def _check(lib, result: int, prog=None) -> None:
+    if result == 0:
+        return
+    log = ""
+    if prog is not None:
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value + 1)
+        lib.nvrtcGetProgramLog(prog, buf)
+        log = buf.value.decode(errors="replace")
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    raise RuntimeError(f"NVRTC: {lib.nvrtcGetErrorString(result).decode()}\n{log}")
+
+
+def compile_cubin(source: str, name: str, arch: tuple[int, int], include: str) -> bytes:
+    """The cubin NVRTC makes of ``source`` for sm_<arch>, with MLX's options."""
+    lib = nvrtc()
+    prog = ctypes.c_void_p()
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
+    try:
+        opts = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}".encode(), f"--include-path={include}".encode()]
+        _check(lib, lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)), prog)
+        size = ctypes.c_size_t()
+        _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
+        buf = ctypes.create_string_buffer(size.value)
+        _check(lib, lib.nvrtcGetCUBIN(prog, buf))
+        return buf.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def nvrtc_version() -> str:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "a2ats-ref" / "cuda-kernels"
+
+
+def source_for(kernel: str, spec: dict) -> tuple[str, str, list, list]:
+    """(symbol, full CUDA source, scalar arguments, pointer inputs) of one instance of ``kernel`` for a launch
+    spec."""
+    in_names, out_names, body = cuda_decode.KERNELS[kernel]
+    inputs = spec["inputs"]
+    template = spec.get("template", [])
+    # MLX passes a precompiled kernel its inputs' pointers, then its outputs', then the scalars, in that order
+    args, shape_args, locals_, scalars, pointer_inputs = [], [], [], [], []
+    for name, x in zip(in_names, inputs):
+        if x.size:
+            args.append(f"const {CTYPES[x.dtype]}* __restrict__ {name}")
+            pointer_inputs.append(x)
+        if f"{name}_shape" in body:
+            dims = [f"{name}_s{i}" for i in range(x.ndim)]
+            shape_args += [f"int {d}" for d in dims]
+            locals_.append(f"const int {name}_shape[{max(1, x.ndim)}] = {{{', '.join(dims) or '0'}}};")
+            scalars += [int(v) for v in x.shape]
+    args += [f"{CTYPES[dt]}* __restrict__ {name}" for name, dt in zip(out_names, spec["output_dtypes"])]
+    args += shape_args
+    consts = [f"using {n} = {CTYPES[v]};" if isinstance(v, mx.Dtype) else f"constexpr int {n} = {int(v)};"
+              for n, v in template]
+    text = "\n".join(["extern \"C\" __global__ void KERNEL(", ",\n".join(f"    {a}" for a in args) + ") {",
+                      *(f"  {c}" for c in consts + locals_), body, "}"])
+    head = cuda_decode._HEADER
+    digest = hashlib.sha256("\0".join([head, text, repr(compute_capability()), nvrtc_version()]).encode()).hexdigest()
+    symbol = f"a2ats_{kernel}_{digest[:20]}"
+    return symbol, head + "\n" + text.replace("KERNEL(", f"{symbol}(", 1), scalars, pointer_inputs
+
+
+def cubin(symbol: str, source: str) -> bytes:
+    """The kept cubin of ``symbol``, compiled and written if this machine has none. The file holds the cubin's
+    SHA-256 before it: a file that does not match (a torn or flipped copy) is compiled again and replaced, never
+    loaded, since a changed instruction would run without an error."""
+    path = cache_dir() / f"{symbol}.cubin"
+    try:
+        kept = path.read_bytes()
+        if hashlib.sha256(kept[32:]).digest() == kept[:32]:
+            return kept[32:]
+    except OSError:
+        pass
+    data = compile_cubin(source, symbol, compute_capability(), cuda_include())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".part-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(hashlib.sha256(data).digest() + data)
+        os.replace(tmp, path)   # whole or absent: another process reads the old file or this one
+    except OSError:
+        pass   # an unwritable cache folder: this process keeps its cubin in memory, the next compiles again
+    return data
+
+
+_CUBINS: dict = {}
+
+
+def launch(name: str, **spec) -> list:
+    """Run kernel ``name`` as cuda.mlx_launch does, through a kept cubin (see the module docstring)."""
+    symbol, source, scalars, inputs = source_for(name, spec)
+    if symbol not in _CUBINS:
+        _CUBINS[symbol] = cubin(symbol, source)
+    extra = {"init_value": spec["init_value"]} if spec.get("init_value") is not None else {}
+    return mx.fast.precompiled_cuda_kernel(
+        name=symbol, compiled_source=_CUBINS[symbol], inputs=inputs, output_shapes=spec["output_shapes"],
+        output_dtypes=spec["output_dtypes"], scalars=scalars, grid=spec["grid"], threadgroup=spec["threadgroup"],
+        ensure_row_contiguous=True, **extra)

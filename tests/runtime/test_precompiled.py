@@ -1,0 +1,120 @@
+"""runtime.decode.precompiled on the host: the signature it writes, the NVRTC build where a CUDA compiler library
+is installed, and the kept cubins' integrity. Loading and running the cubins needs a GPU (tests/gpu)."""
+
+import hashlib
+
+import mlx.core as mx
+import pytest
+
+from a2ats_ref.runtime.decode import cuda as cd
+from a2ats_ref.runtime.decode import precompiled as pc
+
+
+def _specs():
+    """The launch specs one decode step (and its mask) hands a launcher, for a few head shapes and dtypes."""
+    specs = []
+
+    def capture(name, **spec):
+        specs.append((name, spec))
+        return [mx.zeros(s, dtype=d) for s, d in zip(spec["output_shapes"], spec["output_dtypes"])]
+    for dt, (G, n_kv, d, K) in [(mx.float16, (4, 2, 128, 4096)), (mx.float32, (1, 1, 64, 64)),
+                                (mx.bfloat16, (2, 1, 128, 300))]:
+        T = 1024
+        q, k = mx.zeros((1, G * n_kv, 1, d), dtype=dt), mx.zeros((1, n_kv, T, d), dtype=dt)
+        codes = mx.zeros((1, n_kv, T), dtype=mx.uint16 if K > 256 else mx.uint8)
+        inv = mx.zeros((d // 2,))
+        _, sel, _ = cd.decode(q, k, k, codes, mx.zeros((n_kv, d, K)), inv, counts=mx.zeros((1, n_kv, K), mx.int32),
+                              kept=True, kk=30, c0=8, c1=T - 64, counted=T, S=64, n=T, sinks=8, w=64, b=2048.0,
+                              query_pos=float(T - 1), scale=0.1, traditional=False, launch=capture)
+        sel._replace(launch=capture).mask()
+    return specs
+
+
+@pytest.fixture
+def fixed_arch(monkeypatch):
+    monkeypatch.setattr(pc, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(pc, "nvrtc_version", lambda: "12.9")
+
+
+@pytest.mark.clause("RET-DECODE")
+def test_the_signature_passes_input_pointers_then_outputs_then_shapes(fixed_arch):
+    """MLX hands a precompiled kernel its inputs' pointers, its outputs' pointers, then the scalars; the empty
+    step-parameter arrays go as their shapes only, and each shape the body reads comes back as an array."""
+    specs = _specs()
+    assert {n for n, _ in specs} == {"select", "attend", "mask"}
+    for name, spec in specs:
+        symbol, source, scalars, inputs = pc.source_for(name, spec)
+        ins, outs, body = cd.KERNELS[name]
+        start = source.index('extern "C"')
+        sig = source[start:source.index(") {", start)]
+        params = [p.strip() for p in sig.split("(", 1)[1].split(",")]
+        pointers = [p.split()[-1] for p in params if "*" in p]
+        assert pointers == [n for n, x in zip(ins, spec["inputs"]) if x.size] + outs
+        assert all("*" in p for p in params[:len(pointers)]) and not any("*" in p for p in params[len(pointers):])
+        read = [(n, x) for n, x in zip(ins, spec["inputs"]) if f"{n}_shape" in body]
+        assert scalars == [int(v) for _, x in read for v in x.shape]
+        assert [x for x in inputs] == [x for x in spec["inputs"] if x.size]
+        for n, x in read:
+            assert f"const int {n}_shape[{x.ndim}]" in source
+        assert symbol.startswith(f"a2ats_{name}_") and f"void {symbol}(" in source
+
+
+def test_an_instance_is_named_by_what_compiles_it(fixed_arch, monkeypatch):
+    name, spec = next(s for s in _specs() if s[0] == "select")
+    a = pc.source_for(name, spec)[0]
+    assert pc.source_for(name, spec)[0] == a
+    monkeypatch.setattr(pc, "compute_capability", lambda: (8, 0))
+    assert pc.source_for(name, spec)[0] != a   # another GPU architecture: another cubin
+
+
+def _nvrtc_here() -> bool:
+    try:
+        pc.nvrtc(), pc.cuda_include()
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(not _nvrtc_here(), reason="needs libnvrtc and the CUDA headers (pip: nvidia-cuda-nvrtc-cu12, "
+                                             "nvidia-cuda-runtime-cu12)")
+@pytest.mark.clause("RET-DECODE")
+def test_every_kernel_instance_compiles_with_nvrtc(monkeypatch):
+    monkeypatch.setattr(pc, "compute_capability", lambda: (9, 0))
+    done = set()
+    for name, spec in _specs():
+        symbol, source, _, _ = pc.source_for(name, spec)
+        if symbol not in done:
+            assert len(pc.compile_cubin(source, symbol, (9, 0), pc.cuda_include())) > 1000
+            done.add(symbol)
+    assert len(done) >= 6
+
+
+def test_a_kept_cubin_that_does_not_match_its_digest_is_compiled_again(tmp_path, monkeypatch):
+    compiled = []
+
+    def fake_compile(source, name, arch, include):
+        compiled.append(name)
+        return b"CUBIN:" + name.encode() * 40
+    monkeypatch.setattr(pc, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(pc, "compile_cubin", fake_compile)
+    monkeypatch.setattr(pc, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(pc, "cuda_include", lambda: "/none")
+    data = pc.cubin("a2ats_select_x", "src")
+    assert compiled == ["a2ats_select_x"]
+    path = tmp_path / "a2ats_select_x.cubin"
+    assert path.read_bytes() == hashlib.sha256(data).digest() + data
+    assert pc.cubin("a2ats_select_x", "src") == data and len(compiled) == 1   # kept: not compiled again
+    raw = bytearray(path.read_bytes())
+    raw[40] ^= 1
+    path.write_bytes(bytes(raw))                                               # a flipped bit
+    assert pc.cubin("a2ats_select_x", "src") == data and len(compiled) == 2
+    path.write_bytes(path.read_bytes()[:50])                                   # a torn copy
+    assert pc.cubin("a2ats_select_x", "src") == data and len(compiled) == 3
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".part-")]
+
+
+def test_the_step_uses_mlx_jit_unless_the_kept_cubins_are_asked_for(monkeypatch):
+    monkeypatch.delenv(pc.ENV, raising=False)
+    assert pc.default_launch() is cd.mlx_launch
+    monkeypatch.setenv(pc.ENV, "1")
+    assert pc.default_launch() is pc.launch
