@@ -137,22 +137,30 @@ def cache_dir() -> Path:
 
 def source_for(kernel: str, spec: dict) -> tuple[str, str, list, list]:
     """(symbol, full CUDA source, scalar arguments, pointer inputs) of one instance of ``kernel`` for a launch
-    spec."""
-    in_names, out_names, body = cuda_decode.KERNELS[kernel]
+    spec. The source depends only on the dtypes, ranks and template (``_instance``, built once per process); the
+    scalars are this launch's shapes."""
     inputs = spec["inputs"]
-    template = spec.get("template", [])
+    layout = tuple((x.dtype, x.ndim, x.size == 0) for x in inputs)
+    symbol, source, shaped = _instance(kernel, layout, tuple(spec["output_dtypes"]), tuple(spec.get("template", ())))
+    scalars = [int(v) for i in shaped for v in inputs[i].shape]
+    return symbol, source, scalars, [x for x in inputs if x.size]
+
+
+@lru_cache(maxsize=None)
+def _instance(kernel: str, layout: tuple, output_dtypes: tuple, template: tuple) -> tuple[str, str, tuple]:
+    """(symbol, source, indices of the inputs whose shapes go as scalars) of one kernel instance."""
+    in_names, out_names, body = cuda_decode.KERNELS[kernel]
     # MLX passes a precompiled kernel its inputs' pointers, then its outputs', then the scalars, in that order
-    args, shape_args, locals_, scalars, pointer_inputs = [], [], [], [], []
-    for name, x in zip(in_names, inputs):
-        if x.size:
-            args.append(f"const {CTYPES[x.dtype]}* __restrict__ {name}")
-            pointer_inputs.append(x)
+    args, shape_args, locals_, shaped = [], [], [], []
+    for i, (name, (dtype, ndim, empty)) in enumerate(zip(in_names, layout)):
+        if not empty:
+            args.append(f"const {CTYPES[dtype]}* __restrict__ {name}")
         if f"{name}_shape" in body:
-            dims = [f"{name}_s{i}" for i in range(x.ndim)]
+            dims = [f"{name}_s{k}" for k in range(ndim)]
             shape_args += [f"int {d}" for d in dims]
-            locals_.append(f"const int {name}_shape[{max(1, x.ndim)}] = {{{', '.join(dims) or '0'}}};")
-            scalars += [int(v) for v in x.shape]
-    args += [f"{CTYPES[dt]}* __restrict__ {name}" for name, dt in zip(out_names, spec["output_dtypes"])]
+            locals_.append(f"const int {name}_shape[{max(1, ndim)}] = {{{', '.join(dims) or '0'}}};")
+            shaped.append(i)
+    args += [f"{CTYPES[dt]}* __restrict__ {name}" for name, dt in zip(out_names, output_dtypes)]
     args += shape_args
     consts = [f"using {n} = {CTYPES[v]};" if isinstance(v, mx.Dtype) else f"constexpr int {n} = {int(v)};"
               for n, v in template]
@@ -161,7 +169,7 @@ def source_for(kernel: str, spec: dict) -> tuple[str, str, list, list]:
     head = cuda_decode._HEADER
     digest = hashlib.sha256("\0".join([head, text, repr(compute_capability()), nvrtc_version()]).encode()).hexdigest()
     symbol = f"a2ats_{kernel}_{digest[:20]}"
-    return symbol, head + "\n" + text.replace("KERNEL(", f"{symbol}(", 1), scalars, pointer_inputs
+    return symbol, head + "\n" + text.replace("KERNEL(", f"{symbol}(", 1), tuple(shaped)
 
 
 def cubin(symbol: str, source: str) -> bytes:
