@@ -10,13 +10,14 @@ from a2ats_ref.runtime.decode import cuda as cd
 from a2ats_ref.runtime.decode import precompiled as pc
 
 
-def _specs():
+def _specs(shapes_by_value=False):
     """The launch specs one decode step (and its mask) hands a launcher, for a few head shapes and dtypes."""
     specs = []
 
     def capture(name, **spec):
         specs.append((name, spec))
         return [mx.zeros(s, dtype=d) for s, d in zip(spec["output_shapes"], spec["output_dtypes"])]
+    capture.shapes_by_value = shapes_by_value
     for dt, (G, n_kv, d, K) in [(mx.float16, (4, 2, 128, 4096)), (mx.float32, (1, 1, 64, 64)),
                                 (mx.bfloat16, (2, 1, 128, 300))]:
         T = 1024
@@ -60,6 +61,18 @@ def test_the_signature_passes_input_pointers_then_outputs_then_shapes(fixed_arch
         for n, x in read:
             assert f"const int {n}_shape[{x.ndim}]" in source
         assert symbol.startswith(f"a2ats_{name}_") and f"void {symbol}(" in source
+
+
+def test_a_launcher_that_takes_shapes_by_value_gets_no_parameter_arrays(fixed_arch):
+    """The same instances and arguments as from the empty arrays, with no MLX op built for the step's numbers."""
+    by_array, by_value = _specs(), _specs(shapes_by_value=True)
+    assert len(by_array) == len(by_value)
+    for (name, a), (_, v) in zip(by_array, by_value):
+        assert not any(isinstance(x, cd.StepShape) for x in a["inputs"])
+        assert sum(isinstance(x, cd.StepShape) for x in v["inputs"]) == 2
+        sa, sv = pc.source_for(name, a), pc.source_for(name, v)
+        assert sa[:3] == sv[:3] and len(sa[3]) == len(sv[3])
+    assert pc.launch.shapes_by_value and not getattr(cd.mlx_launch, "shapes_by_value", False)
 
 
 def test_an_instance_is_named_by_what_compiles_it(fixed_arch, monkeypatch):

@@ -182,8 +182,21 @@ def chunk_for(n: int, BH: int) -> int:
     return chunk
 
 
+class StepShape(NamedTuple):
+    """A step-parameter array's shape without the array, for a launcher that passes shapes to the kernel as
+    arguments by value (``shapes_by_value``): what step_params gives such a launcher, so no MLX op is built."""
+
+    shape: tuple
+    dtype = mx.int32
+    size = 0
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
 def step_params(*, kk: int, c0: int, c1: int, counted: int, S: int, kept: bool, n: int, sinks: int, w: int,
-                b: float, query_pos: float, scale: float, chunk: int):
+                b: float, query_pos: float, scale: float, chunk: int, arrays: bool = True):
     """The per-step numbers as the kernels read them (a2ats_step): the shapes of two empty int32 arrays, the leading
     0 keeping them empty, and (b, query position, scale) as float32 bits.
 
@@ -196,8 +209,11 @@ def step_params(*, kk: int, c0: int, c1: int, counted: int, S: int, kept: bool, 
         raise ValueError(f"b, query_pos and scale must be >= 0, got {b}, {query_pos}, {scale}")
     if chunk % ATTEND_THREADS or not ATTEND_THREADS <= chunk <= CHUNK_MAX:
         raise ValueError(f"chunk must be a multiple of {ATTEND_THREADS} up to {CHUNK_MAX}, got {chunk}")
+    a, z = (0, kk, c0, c1, counted, S, int(kept), n), (0, sinks, w, *bits, chunk)
+    if not arrays:
+        return StepShape(a), StepShape(z)
     empty = mx.array([], dtype=mx.int32)
-    return (empty.reshape(0, kk, c0, c1, counted, S, int(kept), n), empty.reshape(0, sinks, w, *bits, chunk))
+    return empty.reshape(*a), empty.reshape(*z)
 
 
 def select(queries, CT, inv, counts, codes, ip, *, traditional: bool, applied_angle=None, launch=mlx_launch):
@@ -275,7 +291,7 @@ def decode(queries, keys, values, codes, CT, inv, *, counts, kept: bool, kk: int
     B, n_kv = queries.shape[0], CT.shape[0]
     chunk = chunk_for(n, B * n_kv)
     ip = step_params(kk=kk, c0=c0, c1=c1, counted=counted, S=S, kept=kept, n=n, sinks=sinks, w=w, b=b,
-                     query_pos=query_pos, scale=scale, chunk=chunk)
+                     query_pos=query_pos, scale=scale, chunk=chunk, arrays=not getattr(launch, "shapes_by_value", False))
     table, lv, nsel = select(queries, CT, inv, counts, codes, ip, traditional=traditional, applied_angle=applied_angle,
                              launch=launch)
     out = attend(queries, keys, values, codes, lv, nsel, ip, n=n, chunk=chunk, launch=launch)

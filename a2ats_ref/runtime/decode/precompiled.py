@@ -208,3 +208,6 @@ def launch(name: str, **spec) -> list:
         name=symbol, compiled_source=_CUBINS[symbol], inputs=inputs, output_shapes=spec["output_shapes"],
         output_dtypes=spec["output_dtypes"], scalars=scalars, grid=spec["grid"], threadgroup=spec["threadgroup"],
         ensure_row_contiguous=True, **extra)
+
+
+launch.shapes_by_value = True   # cuda.step_params gives it StepShape tuples: no MLX op per step for the numbers
