@@ -82,7 +82,8 @@ def cuda_include() -> str:
 
 @lru_cache(maxsize=None)
 def compute_capability() -> tuple[int, int]:
-    """(major, minor) of CUDA device 0, from the driver."""
+    """(major, minor) of CUDA device 0, from the driver (MLX's Python API names no device index: on a machine with
+    unlike GPUs the kept cubins would be built for device 0's architecture)."""
     cu = ctypes.CDLL("libcuda.so.1")
     dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     for call in (lambda: cu.cuInit(0), lambda: cu.cuDeviceGet(ctypes.byref(dev), 0),
