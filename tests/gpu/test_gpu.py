@@ -233,6 +233,7 @@ def test_kept_cubins_match_the_portable_step_and_load_without_compiling(dtype, T
     from a2ats_ref.runtime.decode import precompiled
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(precompiled, "_CUBINS", {})   # an instance an earlier test loaded would not be compiled here
     built = []
     real = precompiled.compile_cubin
     monkeypatch.setattr(precompiled, "compile_cubin", lambda *a: built.append(a[1]) or real(*a))
