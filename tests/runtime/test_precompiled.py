@@ -129,8 +129,26 @@ def test_a_kept_cubin_that_does_not_match_its_digest_is_compiled_again(tmp_path,
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".part-")]
 
 
-def test_the_step_uses_mlx_jit_unless_the_kept_cubins_are_asked_for(monkeypatch):
+@pytest.mark.parametrize("found", [True, False])
+def test_the_step_keeps_cubins_where_nvrtc_is_found_unless_told_otherwise(found, monkeypatch):
+    monkeypatch.setattr(pc, "available", lambda: found)
     monkeypatch.delenv(pc.ENV, raising=False)
+    assert pc.default_launch() is (pc.launch if found else cd.mlx_launch)
+    monkeypatch.setenv(pc.ENV, "0")
     assert pc.default_launch() is cd.mlx_launch
-    monkeypatch.setenv(pc.ENV, "1")
+    monkeypatch.setenv(pc.ENV, "1")   # insisted on: a missing NVRTC fails at the launch, naming what is missing
     assert pc.default_launch() is pc.launch
+    monkeypatch.setenv(pc.ENV, "yes")
+    with pytest.raises(ValueError, match=pc.ENV):
+        pc.default_launch()
+
+
+def test_available_says_no_where_nvrtc_is_missing(monkeypatch):
+    def missing():
+        raise RuntimeError("kept CUDA kernels need libnvrtc")
+    pc.available.cache_clear()
+    monkeypatch.setattr(pc, "nvrtc", missing)
+    try:
+        assert pc.available() is False
+    finally:
+        pc.available.cache_clear()

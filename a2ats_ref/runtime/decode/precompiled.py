@@ -14,7 +14,9 @@ runs the same kernel bodies:
 - the cubin is kept under the user's cache folder, named by a digest of the source, the options and the NVRTC
   version, and written atomically: a later process, or another worker, loads it without compiling.
 
-Nothing here runs unless ``A2ATS_PRECOMPILED_KERNELS=1`` (``enabled``): the path has not yet been run on a GPU.
+The decode step takes this path wherever NVRTC and the CUDA headers are found (``enabled``); MLX's CUDA wheel
+brings both. ``A2ATS_PRECOMPILED_KERNELS=0`` runs the kernels through ``mx.fast.cuda_kernel`` instead, and ``=1``
+insists on this path (a missing NVRTC is then an error at the first launch, not a silent fallback).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import mlx.core as mx
 
 from a2ats_ref.runtime.decode import cuda as cuda_decode
 
-#: set to 1 to run the decode kernels through this module instead of mx.fast.cuda_kernel
+#: 0: run the decode kernels through mx.fast.cuda_kernel; 1: through this module, or fail; unset: this module
+#: where available()
 ENV = "A2ATS_PRECOMPILED_KERNELS"
 #: C type of each MLX dtype a kernel argument can have
 CTYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint8: "unsigned char",
@@ -40,7 +43,22 @@ CTYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV) == "1"
+    """Whether the decode kernels run from kept cubins (see ENV)."""
+    asked = os.environ.get(ENV, "")
+    if asked not in ("", "0", "1"):
+        raise ValueError(f"{ENV}={asked!r}: set it to 0 (MLX's JIT), 1 (kept cubins) or leave it unset (kept "
+                         "cubins where NVRTC is found)")
+    return asked == "1" or (asked == "" and available())
+
+
+@lru_cache(maxsize=None)
+def available() -> bool:
+    """NVRTC, the CUDA headers and a CUDA driver are all here."""
+    try:
+        nvrtc(), cuda_include(), compute_capability()
+    except (RuntimeError, OSError):
+        return False
+    return True
 
 
 def default_launch():
@@ -65,7 +83,7 @@ def nvrtc() -> ctypes.CDLL:
             return ctypes.CDLL(lib)
         except OSError:
             continue
-    raise RuntimeError(f"{ENV}=1 needs libnvrtc: none beside MLX (site-packages/nvidia/cuda_nvrtc) or in {home}/lib64")
+    raise RuntimeError(f"kept CUDA kernels need libnvrtc: none beside MLX (site-packages/nvidia/cuda_nvrtc) or in {home}/lib64")
 
 
 @lru_cache(maxsize=None)
@@ -77,7 +95,8 @@ def cuda_include() -> str:
     for d in dirs:
         if os.path.isfile(os.path.join(d, "cuda_fp16.h")):
             return d
-    raise RuntimeError(f"{ENV}=1 needs the CUDA headers (cuda_fp16.h): none in {dirs}")
+    raise RuntimeError(f"kept CUDA kernels need the CUDA headers (cuda_fp16.h): none in {dirs}; set {ENV}=0 to "
+                       "compile them with MLX's JIT instead")
 
 
 @lru_cache(maxsize=None)
