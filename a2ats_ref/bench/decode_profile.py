@@ -24,10 +24,11 @@ is throughput, not latency: a2ats-bench's decode rows time each step alone, host
 
     python -m a2ats_ref.bench.decode_profile --first-use --dtype float16
 
-times the CUDA step's first call for each of a few head shapes (FIRST_USE_SHAPES) in this process: NVRTC
-compiling the kernel instances of that shape and dtype, loading and running them; then a second call, and how
-many files of those kernels MLX left in its JIT folder (MLX_PTX_CACHE_DIR). None means every new process
-compiles them again: what a model pays once at its first token, and a test run per head shape it draws.
+times the CUDA step's first call for each of a few head shapes (FIRST_USE_SHAPES) in this process: compiling the
+kernel instances of that shape and dtype (or loading their kept cubins, runtime.decode.precompiled), loading and
+running them; then a second call. It names the launcher and counts the kept cubins and the files of these
+kernels in MLX's JIT folder (MLX_PTX_CACHE_DIR): what a model pays at its first token, and a test run per head
+shape it draws. Run it twice to see a second process's first call.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from a2ats_ref.runtime.decode import dispatch  # noqa: E402
 from a2ats_ref.runtime.decode import portable as fast_decode  # noqa: E402
 from a2ats_ref.retrieval import topk_count
 from a2ats_ref.runtime.decode import cuda as cd
+from a2ats_ref.runtime.decode import precompiled
 
 
 def _cudart():
@@ -165,7 +167,10 @@ def first_use(dtype_name: str, shapes=FIRST_USE_SHAPES, T: int = 4096) -> dict:
             times.append(time.perf_counter() - t0)
         rows.append({"G": G, "n_kv": n_kv, "d": d, "K": K, "first_s": round(times[0], 3),
                      "second_s": round(times[1], 4)})
+    kept = precompiled.cache_dir()
     return {"dtype": dtype_name, "T": T, "device": str(mx.default_device()), "shapes": rows,
+            "launcher": "kept cubins" if precompiled.enabled() else "MLX JIT",
+            "kept_cubins": len(list(kept.glob("*.cubin"))) if kept.is_dir() else 0,
             "mlx_jit_files_of_these_kernels": _kernel_files()}
 
 

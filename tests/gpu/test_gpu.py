@@ -327,8 +327,12 @@ def test_decode_profile_parts_times_the_cuda_step_or_says_where_it_runs():
     assert all(v > 0 for v in got.values()), got
 
 
-def test_decode_profile_first_use_times_each_shapes_compilation_or_says_where_it_runs():
+def test_decode_profile_first_use_times_each_shapes_compilation_or_says_where_it_runs(tmp_path, monkeypatch):
     from a2ats_ref.bench import decode_profile
+    from a2ats_ref.runtime.decode import precompiled
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))   # count what this call keeps, not what the machine has
+    monkeypatch.setattr(precompiled, "_CUBINS", {})
 
     if not ON_CUDA:
         with pytest.raises(SystemExit, match="MLX's CUDA backend"):
@@ -338,6 +342,8 @@ def test_decode_profile_first_use_times_each_shapes_compilation_or_says_where_it
     assert [(r["G"], r["d"]) for r in got["shapes"]] == [(1, 64), (2, 128)]
     assert all(r["first_s"] > 0 and r["second_s"] > 0 for r in got["shapes"]), got
     assert got["mlx_jit_files_of_these_kernels"] is None or got["mlx_jit_files_of_these_kernels"] >= 0
+    assert got["launcher"] == ("kept cubins" if precompiled.enabled() else "MLX JIT")
+    assert got["kept_cubins"] >= (4 if precompiled.enabled() else 0)   # select and attend of each shape
 
 
 def test_decode_profile_pipelined_keeps_one_step_in_flight_and_times_both():
