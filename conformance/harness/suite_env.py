@@ -34,8 +34,8 @@ and nothing else in it changes between runs. The modules MLX builds for the suit
 scatters and fused graphs of the portable decode step, about 60 of them) take each process about a minute to
 compile, and a cold run's workers all compile them at once, each for itself, before any has finished a test to
 publish them; with the pool kept, a later run on the machine compiles none of them. The kernels a port builds
-with ``mx.fast.cuda_kernel`` (a2ats_ref's decode kernels) are not among them: MLX writes no file for those, so
-every process compiles its own (a2ats_ref.runtime.decode.cuda says what that costs). Elsewhere (no NVIDIA GPU, so
+with ``mx.fast.cuda_kernel`` are not among them: MLX writes no file for those, so every process compiles its own
+(a2ats_ref keeps its decode kernels itself, as cubins: a2ats_ref.runtime.decode.precompiled). Elsewhere (no NVIDIA GPU, so
 MLX builds no CUDA module) the pool is a temporary folder that its maker removes. A pool named in
 ``A2ATS_PTX_POOL`` by the user is used as it is and kept.
 
