@@ -75,6 +75,27 @@ def test_a_launcher_that_takes_shapes_by_value_gets_no_parameter_arrays(fixed_ar
     assert pc.launch.shapes_by_value and not getattr(cd.mlx_launch, "shapes_by_value", False)
 
 
+@pytest.mark.clause("RET-DECODE")
+def test_launch_hands_mlx_the_instance_its_pointers_and_its_shapes(fixed_arch, monkeypatch):
+    """What launch passes mx.fast.precompiled_cuda_kernel is what source_for describes, with the kept cubin (a
+    launch that passed an empty array as a pointer, or a shape out of place, would shift every argument after it)."""
+    calls, loaded = [], []
+    monkeypatch.setattr(pc, "_CUBINS", {})
+    monkeypatch.setattr(pc, "cubin", lambda symbol, source: loaded.append(symbol) or f"cubin of {symbol}".encode())
+    monkeypatch.setattr(pc.mx.fast, "precompiled_cuda_kernel", lambda **kw: calls.append(kw) or ["out"])
+    for name, spec in _specs(shapes_by_value=True):
+        symbol, _, scalars, inputs = pc.source_for(name, spec)
+        for _ in range(2):
+            assert pc.launch(name, **spec) == ["out"]
+            got = calls.pop()
+            assert got["name"] == symbol and got["compiled_source"] == f"cubin of {symbol}".encode()
+            assert got["scalars"] == scalars and all(type(v) is int for v in scalars)
+            assert len(got["inputs"]) == len(inputs) and all(a is b for a, b in zip(got["inputs"], inputs))
+            assert all(got[k] == spec[k] for k in ("output_shapes", "output_dtypes", "grid", "threadgroup"))
+            assert got["init_value"] == spec.get("init_value") and got["ensure_row_contiguous"]
+    assert len(loaded) == len(set(loaded))   # each instance's cubin is read or built once per process
+
+
 def test_an_instance_is_named_by_what_compiles_it(fixed_arch, monkeypatch):
     name, spec = next(s for s in _specs() if s[0] == "select")
     a = pc.source_for(name, spec)[0]

@@ -166,15 +166,20 @@ def source_for(kernel: str, spec: dict) -> tuple[str, str, list, list]:
     spec. The source depends only on the dtypes, ranks and template (``_instance``, built once per process); the
     scalars are this launch's shapes."""
     inputs = spec["inputs"]
-    layout = tuple((x.dtype, x.ndim, x.size == 0) for x in inputs)
-    symbol, source, shaped = _instance(kernel, layout, tuple(spec["output_dtypes"]), tuple(spec.get("template", ())))
-    scalars = [int(v) for i in shaped for v in inputs[i].shape]
-    return symbol, source, scalars, [x for x in inputs if x.size]
+    symbol, source, shaped, pointers = _instance_of(kernel, spec)
+    return symbol, source, [v for i in shaped for v in inputs[i].shape], [inputs[i] for i in pointers]
+
+
+def _instance_of(kernel: str, spec: dict) -> tuple:
+    # runs on every launch: one pass over the inputs, list comprehensions (cheaper than generators here)
+    layout = tuple([(x.dtype, x.ndim, x.size == 0) for x in spec["inputs"]])
+    return _instance(kernel, layout, tuple(spec["output_dtypes"]), tuple(spec.get("template", ())))
 
 
 @lru_cache(maxsize=None)
-def _instance(kernel: str, layout: tuple, output_dtypes: tuple, template: tuple) -> tuple[str, str, tuple]:
-    """(symbol, source, indices of the inputs whose shapes go as scalars) of one kernel instance."""
+def _instance(kernel: str, layout: tuple, output_dtypes: tuple, template: tuple) -> tuple[str, str, tuple, tuple]:
+    """(symbol, source, indices of the inputs whose shapes go as scalars, indices of the inputs passed as
+    pointers: the non-empty ones) of one kernel instance."""
     in_names, out_names, body = cuda_decode.KERNELS[kernel]
     # MLX passes a precompiled kernel its inputs' pointers, then its outputs', then the scalars, in that order
     args, shape_args, locals_, shaped = [], [], [], []
@@ -195,7 +200,8 @@ def _instance(kernel: str, layout: tuple, output_dtypes: tuple, template: tuple)
     head = cuda_decode._HEADER
     digest = hashlib.sha256("\0".join([head, text, repr(compute_capability()), nvrtc_version()]).encode()).hexdigest()
     symbol = f"a2ats_{kernel}_{digest[:20]}"
-    return symbol, head + "\n" + text.replace("KERNEL(", f"{symbol}(", 1), tuple(shaped)
+    pointers = tuple(i for i, (_, _, empty) in enumerate(layout) if not empty)
+    return symbol, head + "\n" + text.replace("KERNEL(", f"{symbol}(", 1), tuple(shaped), pointers
 
 
 def cubin(symbol: str, source: str) -> bytes:
@@ -226,14 +232,15 @@ _CUBINS: dict = {}
 
 def launch(name: str, **spec) -> list:
     """Run kernel ``name`` as cuda.mlx_launch does, through a kept cubin (see the module docstring)."""
-    symbol, source, scalars, inputs = source_for(name, spec)
-    if symbol not in _CUBINS:
-        _CUBINS[symbol] = cubin(symbol, source)
-    extra = {"init_value": spec["init_value"]} if spec.get("init_value") is not None else {}
+    inputs = spec["inputs"]
+    symbol, source, shaped, pointers = _instance_of(name, spec)
+    data = _CUBINS.get(symbol)
+    if data is None:
+        data = _CUBINS[symbol] = cubin(symbol, source)
     return mx.fast.precompiled_cuda_kernel(
-        name=symbol, compiled_source=_CUBINS[symbol], inputs=inputs, output_shapes=spec["output_shapes"],
-        output_dtypes=spec["output_dtypes"], scalars=scalars, grid=spec["grid"], threadgroup=spec["threadgroup"],
-        ensure_row_contiguous=True, **extra)
+        name=symbol, compiled_source=data, inputs=[inputs[i] for i in pointers], output_shapes=spec["output_shapes"],
+        output_dtypes=spec["output_dtypes"], scalars=[v for i in shaped for v in inputs[i].shape], grid=spec["grid"],
+        threadgroup=spec["threadgroup"], init_value=spec.get("init_value"), ensure_row_contiguous=True)
 
 
 launch.shapes_by_value = True   # cuda.step_params gives it StepShape tuples: no MLX op per step for the numbers
