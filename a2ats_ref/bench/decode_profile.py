@@ -22,6 +22,14 @@ the next token's graph while the device computes the current one (mx.async_eval)
 behind the previous step's device work. Each loop keeps one step in flight; the loops alternate in blocks. This
 is throughput, not latency: a2ats-bench's decode rows time each step alone, host graph building included.
 
+    python -m a2ats_ref.bench.decode_profile --host-build --T 8192 --dtype float16     # any machine
+
+times the host side of a model's CUDA decode on any machine: per layer, an A2ATS cache's update_and_fetch and
+decode on the CUDA path at SmolLM2-135M shapes, with every kernel launch answered from preallocated outputs, for
+each launcher (MLX's JIT and the kept cubins), alternating. MLX's own per-launch work is left out with the
+launch: what remains is this package's Python and the MLX ops it builds, the part of the fixed cost per layer
+that no kernel change removes.
+
     python -m a2ats_ref.bench.decode_profile --first-use --dtype float16
 
 times the CUDA step's first call for each of a few head shapes (FIRST_USE_SHAPES) in this process: compiling the
@@ -34,12 +42,15 @@ shape it draws. Run it twice to see a second process's first call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import ctypes
 import glob
 import os
 import sys
 import time
+import warnings
+from unittest import mock
 
 from a2ats_ref import _blas
 
@@ -55,6 +66,8 @@ from a2ats_ref.runtime.decode import portable as fast_decode  # noqa: E402
 from a2ats_ref.retrieval import topk_count
 from a2ats_ref.runtime.decode import cuda as cd
 from a2ats_ref.runtime.decode import precompiled
+from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig  # noqa: E402
+from a2ats_ref.runtime.codebook import random_codebook  # noqa: E402
 
 
 def _cudart():
@@ -174,6 +187,77 @@ def first_use(dtype_name: str, shapes=FIRST_USE_SHAPES, T: int = 4096) -> dict:
             "mlx_jit_files_of_these_kernels": _kernel_files()}
 
 
+#: SmolLM2-135M's attention (n_q, n_kv, d) and layer count; K as the authors calibrate
+HOST_BUILD_SHAPE = dict(n_q=9, n_kv=3, d=64, K=4096, layers=30)
+
+
+@contextlib.contextmanager
+def _answered_launches():
+    """The CUDA decode path with each kernel launch returning preallocated outputs (no GPU, no compiler); yields
+    the launches answered per launcher."""
+    outs, counts = {}, {"MLX JIT": 0, "kept cubins": 0}
+
+    def answer(via, **spec):
+        counts[via] += 1
+        key = (tuple(map(tuple, spec["output_shapes"])), tuple(spec["output_dtypes"]))
+        if key not in outs:
+            outs[key] = [mx.zeros(s, dtype=t) for s, t in zip(spec["output_shapes"], spec["output_dtypes"])]
+            mx.eval(*outs[key])
+        return outs[key]
+
+    with mock.patch.object(cd, "on_cuda", lambda: True), \
+            mock.patch.object(cd, "mlx_launch", lambda name, template=None, **spec: answer("MLX JIT", **spec)), \
+            mock.patch.object(precompiled, "cubin", lambda symbol, source: b""), \
+            mock.patch.object(precompiled, "compute_capability", lambda: (9, 0)), \
+            mock.patch.object(precompiled, "nvrtc_version", lambda: "none"), \
+            mock.patch.object(precompiled, "_CUBINS", {}), \
+            mock.patch.object(mx.fast, "precompiled_cuda_kernel", lambda **spec: answer("kept cubins", **spec)):
+        precompiled._instance.cache_clear()
+        try:
+            yield counts
+        finally:
+            precompiled._instance.cache_clear()
+
+
+def host_build(T: int, dtype_name: str, *, steps: int = 40, rounds: int = 3, shape=HOST_BUILD_SHAPE) -> dict:
+    """Median host microseconds per layer of a cache decode step on the CUDA path, kernels answered from
+    preallocated outputs (see the module docstring), per launcher, in alternating rounds of `steps` steps."""
+    n_q, n_kv, d, K, layers = (shape[k] for k in ("n_q", "n_kv", "d", "K", "layers"))
+    dtype = bench_speed.DTYPES[dtype_name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the random codebook's warning: selection quality is not timed here
+        cb = random_codebook(layers, n_kv, d, K)
+    inv = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
+    rng = np.random.default_rng(0)
+    kv = mx.array(rng.standard_normal((1, n_kv, T, d)).astype(np.float32)).astype(dtype)
+    k1 = mx.array(rng.standard_normal((1, n_kv, 1, d)).astype(np.float32)).astype(dtype)
+    q = mx.array(rng.standard_normal((1, n_q, 1, d)).astype(np.float32)).astype(dtype)
+    caches = [A2ATSCache(cb.layer(layer), inv, False, A2ATSConfig()) for layer in range(layers)]
+    for c in caches:
+        c.select_method = "cuda"
+        c.update_and_fetch(kv, kv)
+        mx.eval(c.keys, c.values, c.codes)
+    launchers = {"MLX JIT": "0", "kept cubins": "1"}
+    per = {name: [] for name in launchers}
+    with _answered_launches() as launches, mock.patch.dict(os.environ):
+        for r in range(rounds):
+            for name in (list(launchers) if r % 2 == 0 else list(launchers)[::-1]):
+                os.environ[precompiled.ENV] = launchers[name]
+                for s in range(steps + 2):
+                    t0 = time.perf_counter()
+                    outs = []
+                    for c in caches:
+                        c.update_and_fetch(k1, k1)
+                        outs.append(c.decode(q))
+                    t1 = time.perf_counter()
+                    mx.eval(outs, *[c.keys for c in caches], *[c.codes for c in caches])
+                    if s >= 2:   # the first steps of a round build each instance once
+                        per[name].append((t1 - t0) / layers * 1e6)
+    return {"T": T, "dtype": dtype_name, "shape": dict(shape), "steps": steps * rounds,
+            "host_us_per_layer": {name: round(float(np.median(v)), 1) for name, v in per.items()},
+            "launches": dict(launches)}
+
+
 def _pipelined_ms(fn, steps: int) -> float:
     """ms per step of `steps` calls of fn with one step in flight: build step k + 1, hand it to the device
     (async_eval), then wait for step k (as mlx-lm's generate_step yields the previous token)."""
@@ -231,6 +315,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", action="store_true", help="time the CUDA step's parts (MLX CUDA only), no profiler")
     ap.add_argument("--pipelined", action="store_true",
                     help="dense vs the step as a generation loop runs them (one step in flight), no profiler")
+    ap.add_argument("--host-build", action="store_true",
+                    help="host us per layer of a cache's CUDA decode step, kernels answered (any machine)")
     ap.add_argument("--first-use", action="store_true",
                     help="seconds of the CUDA step's first call per head shape (kernel compilation), no profiler")
     a = ap.parse_args(argv)
@@ -244,6 +330,9 @@ def main(argv=None) -> int:
         return 0
     if a.first_use:
         print(first_use(a.dtype))
+        return 0
+    if a.host_build:
+        print(host_build(a.T, a.dtype))
         return 0
     if a.pipelined:
         if a.method == "dense":

@@ -346,6 +346,21 @@ def test_decode_profile_first_use_times_each_shapes_compilation_or_says_where_it
     assert got["kept_cubins"] >= (4 if precompiled.enabled() else 0)   # select and attend of each shape
 
 
+def test_decode_profile_host_build_times_each_launcher_anywhere_and_restores_the_decode_path():
+    from a2ats_ref.bench import decode_profile
+    from a2ats_ref.runtime.decode import cuda as cd
+    from a2ats_ref.runtime.decode import precompiled
+
+    before = (cd.on_cuda, cd.mlx_launch, precompiled.cubin, mx.fast.precompiled_cuda_kernel)
+    shape = dict(n_q=4, n_kv=2, d=64, K=64, layers=2)
+    got = decode_profile.host_build(512, "float32", steps=3, rounds=2, shape=shape)
+    assert set(got["host_us_per_layer"]) == {"MLX JIT", "kept cubins"}
+    assert all(v > 0 for v in got["host_us_per_layer"].values()), got
+    # each launcher ran every step of its rounds: 2 layers x (select, attend) x (3 steps + 2 warm-up) x 2 rounds
+    assert got["launches"] == {"MLX JIT": 2 * 2 * 5 * 2, "kept cubins": 2 * 2 * 5 * 2}, got
+    assert (cd.on_cuda, cd.mlx_launch, precompiled.cubin, mx.fast.precompiled_cuda_kernel) == before
+
+
 def test_decode_profile_pipelined_keeps_one_step_in_flight_and_times_both():
     from a2ats_ref.bench import decode_profile
 
