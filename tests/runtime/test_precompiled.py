@@ -4,6 +4,7 @@ is installed, and the kept cubins' integrity. Loading and running the cubins nee
 import hashlib
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from a2ats_ref.runtime.decode import cuda as cd
@@ -73,6 +74,17 @@ def test_a_launcher_that_takes_shapes_by_value_gets_no_parameter_arrays(fixed_ar
         sa, sv = pc.source_for(name, a), pc.source_for(name, v)
         assert sa[:3] == sv[:3] and len(sa[3]) == len(sv[3])
     assert pc.launch.shapes_by_value and not getattr(cd.mlx_launch, "shapes_by_value", False)
+
+
+def test_step_numbers_reach_the_launch_as_plain_ints():
+    """MLX takes a precompiled kernel's scalars as bool, int or float only: a NumPy count becomes an int, a
+    fractional one is refused before any launch."""
+    kw = dict(kk=np.int64(30), c0=8, c1=np.int32(1000), counted=1000, S=64, kept=True, n=1064, sinks=8, w=64,
+              b=2048.0, query_pos=1063.0, scale=0.1, chunk=256, arrays=False)
+    a, z = cd.step_params(**kw)
+    assert all(type(v) is int for v in a.shape + z.shape) and a.shape[1] == 30 and a.shape[3] == 1000
+    with pytest.raises(TypeError):
+        cd.step_params(**{**kw, "kk": 30.5})
 
 
 @pytest.mark.clause("RET-DECODE")

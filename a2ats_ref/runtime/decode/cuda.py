@@ -46,6 +46,7 @@ suite checks on every backend.
 
 from __future__ import annotations
 
+import operator
 import struct
 from pathlib import Path
 from functools import lru_cache
@@ -211,8 +212,8 @@ def step_params(*, kk: int, c0: int, c1: int, counted: int, S: int, kept: bool, 
     if chunk % ATTEND_THREADS or not ATTEND_THREADS <= chunk <= CHUNK_MAX:
         raise ValueError(f"chunk must be a multiple of {ATTEND_THREADS} up to {CHUNK_MAX}, got {chunk}")
     a, z = (0, kk, c0, c1, counted, S, int(kept), n), (0, sinks, w, *bits, chunk)
-    if not arrays:
-        return StepShape(a), StepShape(z)
+    if not arrays:   # plain ints: MLX refuses any other scalar type (a NumPy int included) at the launch
+        return StepShape(tuple(map(operator.index, a))), StepShape(tuple(map(operator.index, z)))
     empty = mx.array([], dtype=mx.int32)
     return empty.reshape(*a), empty.reshape(*z)
 
