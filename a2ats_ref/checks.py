@@ -142,6 +142,8 @@ def check_broadcast(a_shape, b_shape, a_name: str, b_name: str) -> tuple:
 
 
 def check_nonneg_int(v, name: str) -> int:
+    if type(v) is int and v >= 0:   # the common case without the ABC check: these run on every decode step
+        return v
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
         raise ValueError(f"{name}: expected a non-negative integer, got {v!r}")
     return int(v)
@@ -160,12 +162,16 @@ B_LIMIT = 1 << 24
 
 
 def check_pos_int(v, name: str) -> int:
+    if type(v) is int and v > 0:
+        return v
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
         raise ValueError(f"{name}: expected a positive integer, got {v!r}")
     return int(v)
 
 
 def check_topk(topk) -> None:
+    if type(topk) is float and 0.0 < topk <= 1.0:
+        return
     if isinstance(topk, bool):
         raise ValueError(f"topk: expected a float in (0, 1] or an int >= 1, got {topk!r}")
     if isinstance(topk, numbers.Integral):

@@ -77,7 +77,8 @@ def topk_count(T: int, topk, n_candidates: int | None = None) -> int:
     then at most n_candidates when given."""
     T = checks.check_pos_int(T, "T")
     checks.check_topk(topk)
-    count = int(topk) if isinstance(topk, numbers.Integral) else int(float(topk) * T)
+    count = int(float(topk) * T) if type(topk) is float else int(topk) if isinstance(topk, numbers.Integral) \
+        else int(float(topk) * T)
     if n_candidates is not None:
         count = min(count, checks.check_nonneg_int(n_candidates, "n_candidates"))
     return count
