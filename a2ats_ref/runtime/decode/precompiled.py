@@ -14,11 +14,15 @@ runs the same kernel bodies:
 - the cubin is kept under the user's cache folder, named by a digest of the source, the options and the NVRTC
   version, and written atomically: a later process, or another worker, loads it without compiling.
 
-What it costs: MLX copies and hashes a precompiled kernel's bytes at every launch, and a cubin (19-69 KB here)
-is larger than the source ``mx.fast.cuda_kernel`` hashes (7-14 KB), about 10 us more host time per step on one
-CPU core. On an H100, four alternating runs of ``decode_profile --parts`` at 64K float16 put this path's step
--16 to +49 us from the JIT path's, within the spread of dense attention itself (0.19-0.29 ms) across those runs;
-a new head shape's first step in a process fell from 2.4-3.5 s to 0.001-0.24 s.
+What it costs and saves, side by side with the JIT path:
+- per step, host time: MLX copies and hashes a precompiled kernel's bytes at every launch, and a cubin (19-69 KB
+  here) is larger than the source ``mx.fast.cuda_kernel`` hashes (7-14 KB), about 10 us more per step on one CPU
+  core; this module's own per-launch Python adds about 18 us per layer (``decode_profile --host-build``, which
+  leaves MLX's own launch work out of both). On an H100, four alternating runs of ``decode_profile --parts`` at
+  64K float16 put this path's step -16 to +49 us from the JIT path's, within the spread of dense attention itself
+  (0.19-0.29 ms) across those runs;
+- per process: a head shape's first step takes 0.001-0.24 s once its cubins are kept, against 2.4-3.5 s of
+  compiling through ``mx.fast.cuda_kernel``; the conformance suite at ci on 15 workers takes 52 s warm.
 
 The decode step takes this path wherever NVRTC and the CUDA headers are found (``enabled``); MLX's CUDA wheel
 brings both. ``A2ATS_PRECOMPILED_KERNELS=0`` runs the kernels through ``mx.fast.cuda_kernel`` instead, and ``=1``
