@@ -169,19 +169,20 @@ def check_pos_int(v, name: str) -> int:
     return int(v)
 
 
-def check_topk(topk) -> None:
+def check_topk(topk) -> bool:
+    """Validate RET-TOPK's topk; True when it is a token count (an int), False when a fraction of the tokens."""
     if type(topk) is float and 0.0 < topk <= 1.0:
-        return
+        return False
     if isinstance(topk, bool):
         raise ValueError(f"topk: expected a float in (0, 1] or an int >= 1, got {topk!r}")
     if isinstance(topk, numbers.Integral):
         if topk < 1:
             raise ValueError(f"topk: expected an int >= 1 (or a float fraction in (0, 1]), got {topk}")
-        return
+        return True
     if isinstance(topk, numbers.Real):
         if not (0.0 < float(topk) <= 1.0):
             raise ValueError(f"topk: expected a float fraction in (0, 1] (or an int >= 1), got {topk}")
-        return
+        return False
     raise ValueError(f"topk: expected a float in (0, 1] or an int >= 1, got {type(topk).__name__}")
 
 

@@ -76,9 +76,7 @@ def topk_count(T: int, topk, n_candidates: int | None = None) -> int:
     """RET-TOPK: float topk in (0, 1] -> int(topk * T) (floor, the authors' int()); int topk >= 1 -> topk;
     then at most n_candidates when given."""
     T = checks.check_pos_int(T, "T")
-    checks.check_topk(topk)
-    count = int(float(topk) * T) if type(topk) is float else int(topk) if isinstance(topk, numbers.Integral) \
-        else int(float(topk) * T)
+    count = int(topk) if checks.check_topk(topk) else int(float(topk) * T)
     if n_candidates is not None:
         count = min(count, checks.check_nonneg_int(n_candidates, "n_candidates"))
     return count

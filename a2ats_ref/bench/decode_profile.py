@@ -68,6 +68,7 @@ from a2ats_ref.runtime.decode import cuda as cd
 from a2ats_ref.runtime.decode import precompiled
 from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig  # noqa: E402
 from a2ats_ref.runtime.codebook import random_codebook  # noqa: E402
+from a2ats_ref.rope import rope_inv_freqs  # noqa: E402
 
 
 def _cudart():
@@ -227,7 +228,7 @@ def host_build(T: int, dtype_name: str, *, steps: int = 40, rounds: int = 3, sha
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the random codebook's warning: selection quality is not timed here
         cb = random_codebook(layers, n_kv, d, K)
-    inv = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
+    inv = rope_inv_freqs(d, 10000.0)
     rng = np.random.default_rng(0)
     kv = mx.array(rng.standard_normal((1, n_kv, T, d)).astype(np.float32)).astype(dtype)
     k1 = mx.array(rng.standard_normal((1, n_kv, 1, d)).astype(np.float32)).astype(dtype)

@@ -76,6 +76,10 @@ def default_launch():
     return launch if enabled() else cuda_decode.mlx_launch
 
 
+def _cuda_home() -> str:
+    return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+
+
 def _site_dirs() -> list[str]:
     return [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
 
@@ -86,7 +90,7 @@ def nvrtc() -> ctypes.CDLL:
     found = [lib for root in _site_dirs()
              for lib in sorted(glob.glob(os.path.join(root, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*")))
              if "builtins" not in lib and ".alt." not in lib]
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    home = _cuda_home()
     found += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))
     for lib in found:
         try:
@@ -100,7 +104,7 @@ def nvrtc() -> ctypes.CDLL:
 def cuda_include() -> str:
     """The folder with cuda_fp16.h that NVRTC compiles against: the CUDA toolkit's (as MLX uses), else the pip
     package's."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    home = _cuda_home()
     dirs = [os.path.join(home, "include")] + [os.path.join(r, "nvidia", "cuda_runtime", "include") for r in _site_dirs()]
     for d in dirs:
         if os.path.isfile(os.path.join(d, "cuda_fp16.h")):
@@ -170,14 +174,11 @@ def source_for(kernel: str, spec: dict) -> tuple[str, str, list, list]:
     spec. The source depends only on the dtypes, ranks and template (``_instance``, built once per process); the
     scalars are this launch's shapes."""
     inputs = spec["inputs"]
-    symbol, source, shaped, pointers = _instance_of(kernel, spec)
-    return symbol, source, [v for i in shaped for v in inputs[i].shape], [inputs[i] for i in pointers]
-
-
-def _instance_of(kernel: str, spec: dict) -> tuple:
     # runs on every launch: one pass over the inputs, list comprehensions (cheaper than generators here)
-    layout = tuple([(x.dtype, x.ndim, x.size == 0) for x in spec["inputs"]])
-    return _instance(kernel, layout, tuple(spec["output_dtypes"]), tuple(spec.get("template", ())))
+    layout = tuple([(x.dtype, x.ndim, x.size == 0) for x in inputs])
+    symbol, source, shaped, pointers = _instance(kernel, layout, tuple(spec["output_dtypes"]),
+                                                 tuple(spec.get("template", ())))
+    return symbol, source, [v for i in shaped for v in inputs[i].shape], [inputs[i] for i in pointers]
 
 
 @lru_cache(maxsize=None)
@@ -236,15 +237,14 @@ _CUBINS: dict = {}
 
 def launch(name: str, **spec) -> list:
     """Run kernel ``name`` as cuda.mlx_launch does, through a kept cubin (see the module docstring)."""
-    inputs = spec["inputs"]
-    symbol, source, shaped, pointers = _instance_of(name, spec)
+    symbol, source, scalars, inputs = source_for(name, spec)
     data = _CUBINS.get(symbol)
     if data is None:
         data = _CUBINS[symbol] = cubin(symbol, source)
     return mx.fast.precompiled_cuda_kernel(
-        name=symbol, compiled_source=data, inputs=[inputs[i] for i in pointers], output_shapes=spec["output_shapes"],
-        output_dtypes=spec["output_dtypes"], scalars=[v for i in shaped for v in inputs[i].shape], grid=spec["grid"],
-        threadgroup=spec["threadgroup"], init_value=spec.get("init_value"), ensure_row_contiguous=True)
+        name=symbol, compiled_source=data, inputs=inputs, output_shapes=spec["output_shapes"],
+        output_dtypes=spec["output_dtypes"], scalars=scalars, grid=spec["grid"], threadgroup=spec["threadgroup"],
+        init_value=spec.get("init_value"), ensure_row_contiguous=True)
 
 
 launch.shapes_by_value = True   # cuda.step_params gives it StepShape tuples: no MLX op per step for the numbers
