@@ -77,7 +77,7 @@ def copy_cache(cache):
     for k in ("keys", "values", "codes"):
         a = getattr(cache, k)
         setattr(new, k, None if a is None else mx.array(a))
-    new.offset, new._coded = cache.offset, cache._coded
+    new.offset, new._coded, new._prefilled = cache.offset, cache._coded, cache._prefilled
     new._counts = None if cache._counts is None else cache._counts.copy()
     new._counts_mx = cache._counts_mx          # replaced, never written in place
     new._last_selection = cache._last_selection

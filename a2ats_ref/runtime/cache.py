@@ -184,6 +184,15 @@ class A2ATSCache(_BaseCache):
             return mx.zeros((0,), mx.int32)  # np.array(mx.arange(0)) segfaults on MLX CUDA 0.32; empty zeros do not
         return mx.arange(self.offset)
 
+    @property
+    def prefilled(self) -> int:
+        """How many leading tokens hold the keys and values a prefill gives them: tokens [0, prefilled) were
+        appended before any A2ATS decode answered a query of theirs. A decoded token's own attention attended
+        only to its selection, so at every layer above it its keys and values differ from a prefill's; a
+        server that reused them for another prompt would answer that prompt differently from a fresh cache.
+        A cache rebuilt from a state counts none (the state does not say which tokens a decode produced)."""
+        return self._prefilled
+
     def size(self):
         return self.offset
 
@@ -199,6 +208,7 @@ class A2ATSCache(_BaseCache):
             raise ValueError(f"trim: n must be a non-negative int (tokens to drop from the end), got {n!r}")
         n = min(self.offset, int(n))
         self.offset -= n
+        self._prefilled = min(self._prefilled, self.offset)
         coding.forget_trimmed(self)
         self._last_selection = None
         return n
@@ -250,7 +260,9 @@ class A2ATSCache(_BaseCache):
     def decode(self, queries: mx.array, *, scale: Optional[float] = None) -> mx.array:
         """RET-DECODE for the newest token, appended already: queries (B, n_q, 1, d) post-RoPE at position
         offset-1 -> (B, n_q, 1, dv) in the value dtype; the selected set goes to `last_selection`."""
-        return decode_step.decode(self, queries, scale)
+        out = decode_step.decode(self, queries, scale)
+        self._prefilled = min(self._prefilled, self.offset - 1)   # the newest token's query went through A2ATS
+        return out
 
     @property
     def last_selection(self) -> Optional[mx.array]:

@@ -6,7 +6,8 @@ Every flag of ``mlx_lm.server`` works as there; the A2ATS flags (--codebook, --t
 --b) are read first and the codebook is loaded and checked before the server starts. The model may also
 be a GGUF file or ``smollm2``, which ``mlx_lm.server`` cannot load. Requests are batched as mlx-lm batches
 them (a2ats_ref.runtime.batching: one A2ATSCache per request, merged into an A2ATSBatchCache), and the server's
-prompt-cache reuse copies and trims A2ATS caches like its own.
+prompt-cache reuse copies and trims A2ATS caches like its own, up to their prefilled tokens
+(``A2ATSPromptCache``): an answer never depends on which requests came before it.
 
 Refused at start, with a message: --kv-bits (mlx-lm would quantize its own caches and leave A2ATS ones
 as they are), --draft-model and --adapter-path (the codebook is fitted to one model's weights).
@@ -21,15 +22,16 @@ from pathlib import Path
 from a2ats_ref import _blas  # noqa: F401  (must load OpenBLAS before mlx.core is imported)
 
 import mlx_lm.server as mlx_server
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.server import ModelProvider
 
 from a2ats_ref.files.gguf import smollm2_path
-from a2ats_ref.runtime.cache import A2ATSConfig
+from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig
 from a2ats_ref.runtime.codebook import Codebook, CodebookError
 from a2ats_ref.runtime.generate import _config, _load_model, _topk
 from a2ats_ref.runtime.hook import install_a2ats_cache
 
-__all__ = ["A2ATSModelProvider", "main"]
+__all__ = ["A2ATSModelProvider", "A2ATSPromptCache", "main"]
 
 
 def _a2ats_parser() -> argparse.ArgumentParser:
@@ -87,6 +89,31 @@ class A2ATSModelProvider(ModelProvider):
         self.is_batchable = True   # A2ATSCache.merge: mlx-lm's BatchGenerator batches the requests
 
 
+class A2ATSPromptCache(LRUPromptCache):
+    """mlx_lm.server's prompt-cache LRU that hands out an A2ATS cache only up to its prefilled tokens.
+
+    The server keeps each request's cache after it answers (prompt and generated tokens) and gives the nearest
+    one to a later prompt that shares its start. Tokens an A2ATS decode produced (a prompt's last token, every
+    generated one) hold keys and values that depend on that decode's selection (A2ATSCache.prefilled), which a
+    prefill of the same tokens does not reproduce. Reused, they would make the later prompt's answer depend on
+    the requests before it; so the handed-out cache is trimmed to the tokens every A2ATS layer prefilled and the
+    rest of the prompt is prefilled again.
+    """
+
+    def fetch_nearest_cache(self, model, tokens):
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        if cache is None:
+            return cache, rest
+        reused = len(tokens) - len(rest)
+        keep = min((c.prefilled for c in cache if isinstance(c, A2ATSCache)), default=reused)
+        if keep >= reused:
+            return cache, rest
+        if keep == 0 or not can_trim_prompt_cache(cache):
+            return None, tokens
+        trim_prompt_cache(cache, reused - keep)
+        return cache, tokens[keep:]
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours = _a2ats_parser()
@@ -115,13 +142,13 @@ def main(argv=None) -> int:
             made.append(provider(cli_args, codebook, config, args.codebook))
             return made[-1]
 
-        old_argv, old_provider = sys.argv, mlx_server.ModelProvider
+        old = sys.argv, mlx_server.ModelProvider, mlx_server.LRUPromptCache
         sys.argv = ["a2ats-server", *rest]
-        mlx_server.ModelProvider = make_provider
+        mlx_server.ModelProvider, mlx_server.LRUPromptCache = make_provider, A2ATSPromptCache
         try:
             mlx_server.main()
         finally:
-            sys.argv, mlx_server.ModelProvider = old_argv, old_provider
+            sys.argv, mlx_server.ModelProvider, mlx_server.LRUPromptCache = old
     except ValueError as exc:
         print(f"a2ats-server: error: {exc}", file=sys.stderr)
         return 2

@@ -147,6 +147,28 @@ def test_server_prompt_cache_reuse_gives_identical_outputs(model):
         np.testing.assert_array_equal(np.array(c.keys_and_values()[0]), k)
 
 
+def test_prefilled_ends_at_the_first_token_a_decode_answered(model):
+    """A2ATSCache.prefilled, what the server's prompt cache reuses: a prefill's tokens count, a decoded token
+    and everything after it do not, whatever the model writes later; trims, copies and batch rows keep it."""
+    cache = a2ats_caches(model, **CFG)
+    model(mx.array([prompt(12, 19)]), cache=cache)
+    assert {c.prefilled for c in cache} == {12}
+    model(mx.array([prompt(1, 20)]), cache=cache)    # one token: the hook answers its query by A2ATS decode
+    model(mx.array([prompt(4, 21)]), cache=cache)    # a later chunk, attended densely, on top of it
+    assert {c.prefilled for c in cache} == {12} and cache[0].offset == 17
+    assert {c.prefilled for c in copy.deepcopy(cache)} == {12}
+    for c in cache:
+        c.trim(6)
+    assert {c.prefilled for c in cache} == {11}
+    rebuilt = A2ATSCache.from_state(cache[0].state, cache[0].meta_state, codebook=cache[0].codebook)
+    assert rebuilt.prefilled == 0, "a state does not say which tokens a decode produced"
+    finished = {}
+    first = prompt(9, 22)
+    run_batch(model, [(first, 3), (prompt(5, 23), 3)], finished=finished)
+    row, held = finished[0]
+    assert row[0].offset == len(held) and {c.prefilled for c in row} == {len(first) - 1}
+
+
 def test_copy_is_independent_and_shares_the_codebook(model):
     cache = a2ats_caches(model, **CFG)
     model(mx.array([prompt(12, 14)]), cache=cache)

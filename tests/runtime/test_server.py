@@ -1,6 +1,7 @@
 """mlx_lm.server with A2ATS caches, driven in-process on loopback: concurrent requests of different lengths
 are batched (A2ATSBatchCache) and each answer equals the same request run alone; a repeated request reuses
-the server's prompt cache and answers the same."""
+the server's prompt cache and answers the same, and so does a prompt that extends an earlier request's (the
+reuse stops where the earlier cache's prefilled tokens end)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from http.server import ThreadingHTTPServer
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate
-from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from mlx_lm.generate import generate, generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 from a2ats_ref.runtime import server as a2s
 from a2ats_ref.runtime.batching import A2ATSBatchCache
@@ -43,7 +44,7 @@ def served(files, monkeypatch):
                                            "--topk", 3, "--decode-concurrency", 8, "--prompt-concurrency", 4,
                                            "--prefill-step-size", 16])
     assert rc == 0 and provider is not None and provider.is_batchable
-    gen = mlx_server.ResponseGenerator(provider, LRUPromptCache(provider.cli_args.prompt_cache_size))
+    gen = mlx_server.ResponseGenerator(provider, a2s.A2ATSPromptCache(provider.cli_args.prompt_cache_size))
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), lambda *a, **k: mlx_server.APIHandler(
         gen, *a, system_fingerprint="test", **k))
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -86,12 +87,49 @@ def test_concurrent_requests_are_batched_and_each_equals_the_request_alone(serve
     again = complete(url, PROMPTS[1], usage=usage)   # the same prompt: served from the server's prompt cache
     assert usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) > 0, usage
     seeded = complete(url, PROMPTS[3], seed=5)   # a request with a seed: the server runs it alone (not batched)
-    model, tok = provider.model, provider.tokenizer
+    assert all(isinstance(c, A2ATSCache) for c in make_prompt_cache(provider.model))
     for p, got in zip(PROMPTS + [PROMPTS[1], PROMPTS[3]], answers + [again, seeded]):
-        cache = make_prompt_cache(model)
-        assert all(isinstance(c, A2ATSCache) for c in cache)
-        alone = generate(model, tok, tok.encode(p), max_tokens=MAX_TOKENS, prompt_cache=cache)
-        assert got == alone, f"prompt {p[:30]!r}: server {got!r}, alone {alone!r}"
+        want = alone(provider, p)
+        assert got == want, f"prompt {p[:30]!r}: server {got!r}, alone {want!r}"
+
+
+def alone(provider, prompt) -> str:
+    model, tok = provider.model, provider.tokenizer
+    ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+    return generate(model, tok, ids, max_tokens=MAX_TOKENS, prompt_cache=make_prompt_cache(model))
+
+
+def test_a_prompt_that_shares_an_earlier_prompts_start_answers_as_alone(served):
+    """The server hands the later prompt the earlier request's cache trimmed back into their shared start. The
+    earlier prompt's last token went through an A2ATS decode, so its keys and values above the first layer
+    differ from a prefill's: reused, they change this answer. The prompt's prefilled start is still reused."""
+    provider, url = served
+    first, later = PROMPTS[0], PROMPTS[3]
+    complete(url, first)
+    usage = {}
+    got = complete(url, later, usage=usage)
+    assert got == alone(provider, later), "the server's answer depends on the request before it"
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    assert 0 < cached < len(provider.tokenizer.encode(first)), usage
+
+
+def test_a_chat_turn_after_an_answer_reuses_only_the_prefilled_prompt(served):
+    """A next turn extends the earlier prompt and its answer: the nearest cache holds them all, and the server's
+    prompt cache hands it out only up to the tokens no decode produced."""
+    provider, _ = served
+    model, tok = provider.model, provider.tokenizer
+    prompt = tok.encode(PROMPTS[0])
+    cache = make_prompt_cache(model)
+    answer = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS, prompt_cache=cache)]
+    held = prompt + answer                 # generate_step has run the model on its last answer token too
+    assert cache[0].offset == len(held) and cache[0].prefilled == len(prompt) - 1
+    lru = a2s.A2ATSPromptCache(4)
+    lru.insert_cache(provider.model_key, held, cache)
+    turn = held + tok.encode(" and then")
+    got, rest = lru.fetch_nearest_cache(provider.model_key, turn)
+    assert got[0].offset == len(prompt) - 1 and rest == turn[len(prompt) - 1:]
+    out = generate(model, tok, rest, max_tokens=MAX_TOKENS, prompt_cache=got)
+    assert out == alone(provider, turn)
 
 
 def test_bad_codebook_and_unsupported_flags_stop_before_serving(files, tmp_path, monkeypatch, capsys):
