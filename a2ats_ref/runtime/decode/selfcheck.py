@@ -14,6 +14,7 @@ import numpy as np
 
 from a2ats_ref.codes import code_dtype
 from a2ats_ref.retrieval import topk_count
+from a2ats_ref.rope import rope_inv_freqs
 from a2ats_ref.runtime.decode import cuda as cuda_decode
 from a2ats_ref.runtime.decode import precompiled
 from a2ats_ref.runtime.decode import portable as fd
@@ -37,7 +38,6 @@ def usable(*, dtype=None, G: int | None = None, n_kv: int | None = None, d: int 
 
 
 def _random_case(*, T, n_q, n_kv, d, K, dtype, seed):
-
     rng = np.random.default_rng(seed)
     x = dict(
         q=mx.array(rng.standard_normal((1, n_q, 1, d)).astype(np.float32)).astype(dtype),
@@ -45,7 +45,7 @@ def _random_case(*, T, n_q, n_kv, d, K, dtype, seed):
         v=mx.array(rng.standard_normal((1, n_kv, T, d)).astype(np.float32)).astype(dtype),
         codes=mx.array(rng.integers(0, K, (1, n_kv, T)).astype(code_dtype(K))),
         C=rng.standard_normal((n_kv, K, d)).astype(np.float32),
-        inv=(1.0 / 10000.0 ** (np.arange(0, d, 2) / d)).astype(np.float32))
+        inv=np.array(rope_inv_freqs(d, 10000.0)))
     x["CT"] = fd.prepare_codebook(mx.array(x["C"]))
     return x
 
