@@ -35,6 +35,7 @@ from a2ats_ref.codes import mx_code_dtype
 from a2ats_ref.files.atomic import (CHECKSUMS_KEY, atomic_save_safetensors, check_writable, checksums, load_json,
                                     verify_checksums)
 from a2ats_ref.files.untrusted import load_safetensors
+from a2ats_ref.runtime import prompt
 from a2ats_ref.runtime.threads import mark_thread
 from a2ats_ref.rope import _base_inv_freqs, fast_rope_from_json, fast_rope_to_json
 
@@ -96,6 +97,9 @@ def save_a2ats_cache(path, caches, metadata: Optional[dict] = None) -> None:
             "K": c.codebook.K,
             "codebook_sha256": codebook_fingerprint(c.codebook),
             "fast_rope": fast_rope_to_json(c.fast_rope),   # the model's rope call (EQ-12 on the device)
+            # which tokens are prompt tokens and which a decode produced: a load continues as the saved cache
+            # would, trims included (runtime.prompt)
+            **prompt.marks(c),
         }
         arrays[f"{i}.inv_freqs"] = c.inv_freqs
         if c.offset:
@@ -124,6 +128,8 @@ def _bad(path, what) -> ValueError:
 INV_FREQS_RTOL = 1e-5
 _FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _LAYER_KEYS = {"offset", "config", "traditional", "n_kv_heads", "head_dim", "K", "codebook_sha256", "fast_rope"}
+#: runtime.prompt's marks, which a file may leave out, and what a load then takes (those of a restored state)
+_OPTIONAL_LAYER_KEYS = {"prefilled": 0, "prompt_next": False, "prompt_starts": []}
 
 
 def load_a2ats_cache(path, codebook, *, return_metadata: bool = False):
@@ -216,8 +222,9 @@ def _check_inv_freqs(inv, d, fast_rope, where, err) -> None:
 def _load_layer(path, i: int, info: dict, arrays: dict, lc: CodebookLayer, err) -> A2ATSCache:
     where = f"layer {i}"
     required = _LAYER_KEYS | ({"shapes", "dtypes"} if info.get("offset") else set())
-    if set(info) != required:
-        raise err(f"{where}: metadata fields {sorted(set(info) ^ required)} are missing or unexpected")
+    if set(info) - set(_OPTIONAL_LAYER_KEYS) != required:
+        raise err(f"{where}: metadata fields {sorted((set(info) - set(_OPTIONAL_LAYER_KEYS)) ^ required)} are "
+                  "missing or unexpected")
     for key in ("n_kv_heads", "head_dim", "K"):
         if not _is_int(info[key]):
             raise err(f"{where}: {key} is {info[key]!r}, expected an int")
@@ -245,8 +252,27 @@ def _load_layer(path, i: int, info: dict, arrays: dict, lc: CodebookLayer, err) 
     inv = arrays[f"{i}.inv_freqs"]
     _check_inv_freqs(inv, d, fast_rope, f"{i}", lambda m: err(f"{where}: {m}"))
     cache = A2ATSCache(lc, inv, info["traditional"], config, fast_rope=fast_rope)
-    if off == 0:
-        return cache
+    if off:
+        _restore(cache, off, info, arrays, lc, d, i, where, err)
+    prompt.set_marks(cache, *_marks(info, off, lambda m: err(f"{where}: {m}")))
+    return cache
+
+
+def _marks(info: dict, off: int, err) -> tuple:
+    """runtime.prompt's marks of an untrusted layer entry: prefilled in [0, offset], prompt_next a bool,
+    prompt_starts increasing ints in [0, offset)."""
+    prefilled, prompt_next, starts = (info.get(k, v) for k, v in _OPTIONAL_LAYER_KEYS.items())
+    if not (_is_int(prefilled) and 0 <= prefilled <= off):
+        raise err(f"prefilled is {prefilled!r}, expected an int in [0, offset={off}]")
+    if not isinstance(prompt_next, bool):
+        raise err(f"prompt_next is {prompt_next!r}, expected true or false (a JSON bool)")
+    if not (isinstance(starts, list) and all(_is_int(s) and 0 <= s < off for s in starts)
+            and all(a < b for a, b in zip(starts, starts[1:]))):
+        raise err(f"prompt_starts is {str(starts)[:80]}, expected increasing ints in [0, offset={off})")
+    return prefilled, prompt_next, starts
+
+
+def _restore(cache, off, info, arrays, lc, d, i, where, err) -> None:
     k, v, codes = arrays[f"{i}.keys"], arrays[f"{i}.values"], arrays[f"{i}.codes"]
     shapes, dtypes = info["shapes"], info["dtypes"]
     got = {"keys": list(k.shape), "values": list(v.shape), "codes": list(codes.shape)}
@@ -264,4 +290,3 @@ def _load_layer(path, i: int, info: dict, arrays: dict, lc: CodebookLayer, err) 
     if codes.dtype != mx_code_dtype(lc.K) or (codes.size and mx.max(codes).item() >= lc.K):
         raise err(f"{where}: codes are not valid {mx_code_dtype(lc.K)} indices below K={lc.K}")
     cache.state = (k, v, codes)
-    return cache

@@ -33,6 +33,8 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 from mlx_lm.models import cache as mlx_cache
 
+from a2ats_ref.runtime import prompt
+
 __all__ = ["A2ATSBatchCache", "copy_cache", "merge", "refuse_mlx_lm_save", "MLX_LM_SAVE_REFUSAL"]
 
 #: what mlx-lm's save_prompt_cache meets on an A2ATS cache (see refuse_mlx_lm_save)
@@ -77,7 +79,8 @@ def copy_cache(cache):
     for k in ("keys", "values", "codes"):
         a = getattr(cache, k)
         setattr(new, k, None if a is None else mx.array(a))
-    new.offset, new._coded, new._prefilled = cache.offset, cache._coded, cache._prefilled
+    new.offset, new._coded = cache.offset, cache._coded
+    prompt.copy_marks(cache, new)
     new._counts = None if cache._counts is None else cache._counts.copy()
     new._counts_mx = cache._counts_mx          # replaced, never written in place
     new._last_selection = cache._last_selection
@@ -162,10 +165,13 @@ class A2ATSBatchCache(_BaseCache):
         return mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
 
     def decode(self, queries: mx.array, *, scale: Optional[float] = None) -> mx.array:
-        """RET-DECODE for each row's newest token: queries (B, n_q, 1, d) -> (B, n_q, 1, dv)."""
+        """Each row's newest token: RET-DECODE, or PREFILL's dense attention where it is a prompt token (the
+        row's newest_is_prompt: a row joins generation with its prompt's last token while the others decode):
+        queries (B, n_q, 1, d) -> (B, n_q, 1, dv)."""
         if queries.ndim != 4 or queries.shape[0] != len(self.rows):
             raise ValueError(f"queries: expected (B={len(self.rows)}, n_q, 1, d), got {tuple(queries.shape)}")
-        return mx.concatenate([r.decode(queries[i:i + 1], scale=scale) for i, r in enumerate(self.rows)], axis=0)
+        return mx.concatenate([prompt.attend_prompt_token(r, queries[i:i + 1], scale) if r.newest_is_prompt
+                               else r.decode(queries[i:i + 1], scale=scale) for i, r in enumerate(self.rows)], axis=0)
 
     # ---- mlx-lm's batching protocol
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):

@@ -21,7 +21,7 @@ __all__ = ["append", "check_kv", "clear", "restore", "valid"]
 def clear(cache) -> None:
     """No buffers, no tokens, no codes or counts."""
     cache.keys = cache.values = cache.codes = cache._counts = cache._counts_mx = None
-    cache.offset = cache._coded = cache._prefilled = 0
+    cache.offset = cache._coded = 0
 
 
 def check_kv(cache, keys, values) -> None:
@@ -59,8 +59,6 @@ def append(cache, keys, values) -> None:
     cache.offset += t
     cache.keys[..., prev : cache.offset, :] = keys
     cache.values[..., prev : cache.offset, :] = values
-    if cache._prefilled == prev:   # no decode has answered a query of these tokens yet (A2ATSCache.prefilled)
-        cache._prefilled = cache.offset
 
 
 def _grow(cache, keys, values, prev, t) -> None:
@@ -99,6 +97,5 @@ def restore(cache, state) -> None:
         )
     cache.keys, cache.values, cache.codes = keys, values, codes
     cache.offset = keys.shape[2]
-    cache._prefilled = 0   # a state does not say which tokens a decode produced: none is claimed prefilled
     coding.recount(cache)
     cache._last_selection = None

@@ -19,10 +19,10 @@ runtime.decode.step (the decode step and the query's angle, CACHE-DECODE), runti
 CACHE-BATCH). Its codebook is one layer of a runtime.codebook.Codebook (``codebook.layer(l)``).
 
 Attention itself is chosen by the hook (a2ats_ref.runtime.hook.enable_a2ats):
-query length 1 -> `A2ATSCache.decode` (RET-DECODE: LUT scores from the codes,
+a generated token's query -> `A2ATSCache.decode` (RET-DECODE: LUT scores from the codes,
 top-k per query head, GQA union, sinks + window, exact attention over the
-selected post-RoPE keys); query length > 1 -> mlx-lm's own dense causal
-attention (PREFILL).
+selected post-RoPE keys); prompt tokens -> dense causal attention (PREFILL), a
+prompt token that mlx-lm feeds alone included (runtime.prompt).
 
 The cache deliberately has no `bits` attribute: mlx-lm routes any cache that has
 one to its quantized attention.
@@ -46,7 +46,7 @@ from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from a2ats_ref import checks
 from a2ats_ref.codes import mx_code_dtype
-from a2ats_ref.runtime import buffers, codebook as _codebook, coding
+from a2ats_ref.runtime import buffers, codebook as _codebook, coding, prompt
 from a2ats_ref.runtime.batching import copy_cache, merge, refuse_mlx_lm_save
 from a2ats_ref.runtime.codebook import RANDOM_CODEBOOK_WARNING, Codebook, CodebookLayer, random_codebook
 from a2ats_ref.runtime.coding import assign_codes  # noqa: F401  (re-exported for the cache's importers)
@@ -154,6 +154,7 @@ class A2ATSCache(_BaseCache):
         buffers.clear(self)   # keys, values, codes, offset; _coded, _counts, _counts_mx (runtime.coding)
         self._last_selection = None
         self._undecoded = False   # the last append was one token and no decode has read it (no hook)
+        prompt.cleared(self)   # which tokens are prompt tokens, how many are prefilled (runtime.prompt)
 
     # ---- mlx-lm protocol
     def update_and_fetch(self, keys, values):
@@ -161,6 +162,7 @@ class A2ATSCache(_BaseCache):
         buffers.check_kv(self, keys, values)
         _note_append(self, keys.shape[2])
         buffers.append(self, keys, values)
+        prompt.appended(self, self.offset - keys.shape[2])
         if keys.shape[2] > 1:
             # A prefill chunk is coded with it: left pending, a long prefill's tokens would all be coded by the
             # first decode (a 32K prompt: seconds in one step, no progress). Decode appends stay pending.
@@ -184,14 +186,10 @@ class A2ATSCache(_BaseCache):
             return mx.zeros((0,), mx.int32)  # np.array(mx.arange(0)) segfaults on MLX CUDA 0.32; empty zeros do not
         return mx.arange(self.offset)
 
-    @property
-    def prefilled(self) -> int:
-        """How many leading tokens hold the keys and values a prefill gives them: tokens [0, prefilled) were
-        appended before any A2ATS decode answered a query of theirs. A decoded token's own attention attended
-        only to its selection, so at every layer above it its keys and values differ from a prefill's; a
-        server that reused them for another prompt would answer that prompt differently from a fresh cache.
-        A cache rebuilt from a state counts none (the state does not say which tokens a decode produced)."""
-        return self._prefilled
+    newest_is_prompt = property(lambda self: self._newest_is_prompt, doc="Whether the newest token is a prompt "
+                                "token, which the hook gives dense attention (runtime.prompt).")
+    prefilled = property(lambda self: self._prefilled, doc="Tokens [0, prefilled) were appended before any "
+                         "retrieval decode answered their queries (runtime.prompt).")
 
     def size(self):
         return self.offset
@@ -208,7 +206,7 @@ class A2ATSCache(_BaseCache):
             raise ValueError(f"trim: n must be a non-negative int (tokens to drop from the end), got {n!r}")
         n = min(self.offset, int(n))
         self.offset -= n
-        self._prefilled = min(self._prefilled, self.offset)
+        prompt.trimmed(self)
         coding.forget_trimmed(self)
         self._last_selection = None
         return n
@@ -225,11 +223,13 @@ class A2ATSCache(_BaseCache):
     @property
     def state(self):
         refuse_mlx_lm_save()   # mlx-lm's save_prompt_cache would write a file its loader cannot read
+        prompt.evaluated(self)   # mlx-lm evaluates the state after each prompt chunk
         return () if self.keys is None else (*self.keys_and_values(), self.codes_view())
 
     @state.setter
     def state(self, v):
         buffers.restore(self, v)   # the per-code counts are recounted from the codes, never saved
+        prompt.restored(self)
 
     meta_state = property(lambda self: _meta_state(self), lambda self, v: _set_meta_state(self, v))
 
@@ -257,12 +257,14 @@ class A2ATSCache(_BaseCache):
         return copy_cache(self)   # shares the codebook (mlx-lm's prompt-cache LRU deep-copies every cache)
 
     # ---- A2ATS attention
+    def start_prompt(self) -> None:
+        """Take the next token appended as a prompt token, as a server does for a cache it hands to a request."""
+        prompt.evaluated(self)
+
     def decode(self, queries: mx.array, *, scale: Optional[float] = None) -> mx.array:
         """RET-DECODE for the newest token, appended already: queries (B, n_q, 1, d) post-RoPE at position
         offset-1 -> (B, n_q, 1, dv) in the value dtype; the selected set goes to `last_selection`."""
-        out = decode_step.decode(self, queries, scale)
-        self._prefilled = min(self._prefilled, self.offset - 1)   # the newest token's query went through A2ATS
-        return out
+        return decode_step.decode(self, queries, scale)
 
     @property
     def last_selection(self) -> Optional[mx.array]:

@@ -7,7 +7,9 @@ name `scaled_dot_product_attention` in the module that defines each attention
 class with a dispatcher:
 
 - cache is an A2ATSCache and the query length is 1 -> RET-DECODE (cache.decode):
-  the real post-RoPE query is right there, one line after update_and_fetch;
+  the real post-RoPE query is right there, one line after update_and_fetch; unless the token is a
+  prompt token (a one-token prompt chunk, the prompt's last token: runtime.prompt), which gets PREFILL's
+  dense attention like the rest of its prompt (prompt.attend_prompt_token);
 - cache is an A2ATSCache and the query length is > 1 -> PREFILL: mlx-lm's own
   dense causal attention with the mask mlx-lm passed; on the CPU, a causal
   prefill of at least prefill.HOST_PREFILL_MIN query x key pairs runs
@@ -37,6 +39,7 @@ import threading
 from mlx_lm.models.cache import KVCache
 
 from a2ats_ref import prefill
+from a2ats_ref.runtime import prompt
 from a2ats_ref.runtime.decode import portable as fast_decode
 from a2ats_ref.runtime.batching import A2ATSBatchCache
 from a2ats_ref.runtime.cache import A2ATSCache, attention_modules, make_a2ats_cache, _head_dims
@@ -76,6 +79,8 @@ def _make_dispatcher(original):
                 "A2ATS decode got an explicit attention mask (padding or a sliding window); A2ATS supports "
                 "equal-length batches without padding on full-attention layers"
             )
+        if not batch and cache.newest_is_prompt:   # a prompt token alone (runtime.prompt)
+            return prompt.attend_prompt_token(cache, queries, scale)
         return cache.decode(queries, scale=scale)
 
     scaled_dot_product_attention._a2ats_dispatcher = True

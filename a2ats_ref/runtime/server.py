@@ -93,11 +93,11 @@ class A2ATSPromptCache(LRUPromptCache):
     """mlx_lm.server's prompt-cache LRU that hands out an A2ATS cache only up to its prefilled tokens.
 
     The server keeps each request's cache after it answers (prompt and generated tokens) and gives the nearest
-    one to a later prompt that shares its start. Tokens an A2ATS decode produced (a prompt's last token, every
-    generated one) hold keys and values that depend on that decode's selection (A2ATSCache.prefilled), which a
+    one to a later prompt that shares its start. Generated tokens hold keys and values that depend on the
+    selections of the retrieval decodes that produced them (A2ATSCache.prefilled, runtime.prompt), which a
     prefill of the same tokens does not reproduce. Reused, they would make the later prompt's answer depend on
-    the requests before it; so the handed-out cache is trimmed to the tokens every A2ATS layer prefilled and the
-    rest of the prompt is prefilled again.
+    the requests before it; so the handed-out cache is trimmed to the tokens every A2ATS layer prefilled, the
+    rest of the prompt is prefilled again, and the next token appended is a prompt token (start_prompt).
     """
 
     def fetch_nearest_cache(self, model, tokens):
@@ -106,12 +106,15 @@ class A2ATSPromptCache(LRUPromptCache):
             return cache, rest
         reused = len(tokens) - len(rest)
         keep = min((c.prefilled for c in cache if isinstance(c, A2ATSCache)), default=reused)
-        if keep >= reused:
-            return cache, rest
-        if keep == 0 or not can_trim_prompt_cache(cache):
-            return None, tokens
-        trim_prompt_cache(cache, reused - keep)
-        return cache, tokens[keep:]
+        if keep < reused:
+            if keep == 0 or not can_trim_prompt_cache(cache):
+                return None, tokens
+            trim_prompt_cache(cache, reused - keep)
+            rest = tokens[keep:]
+        for c in cache:
+            if isinstance(c, A2ATSCache):
+                c.start_prompt()   # what this request appends next is its prompt's
+        return cache, rest
 
 
 def main(argv=None) -> int:

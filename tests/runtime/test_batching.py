@@ -13,6 +13,7 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from a2ats_ref.runtime.batching import A2ATSBatchCache, copy_cache
+from a2ats_ref.runtime.prompt import attend_prompt_token
 from a2ats_ref.runtime.hook import install_a2ats_cache, uninstall_a2ats_cache
 from a2ats_ref.runtime.cache import A2ATSCache, A2ATSConfig
 from a2ats_ref.runtime.hook import enable_a2ats
@@ -98,11 +99,29 @@ def test_batch_generator_rows_of_different_lengths_match_each_request_alone(mode
         same(batched[i], alone(model, toks, max_tokens=n), f"request {i} ({len(toks)} prompt tokens)")
 
 
+def test_an_answer_does_not_depend_on_how_its_prompt_was_chunked_or_batched(model):
+    """Every prompt token gets dense attention, also in a one-token chunk and as the prompt's last token, which
+    mlx-lm runs alone (runtime.prompt). The 42-token prompt's first 41 tokens go in one chunk alone (the
+    reference), in chunks of 20 (20, 20, then one token), of 7, or one by one; and in a batch with a longer
+    prompt, where this row's one-token chunk is padded to a longer one. The answer is the same every time."""
+    toks = prompt(42, 24)
+    want = alone(model, toks)
+    for step in (20, 7, 1):
+        cache = a2ats_caches(model, **CFG)
+        out = list(generate_step(mx.array(toks), model, prompt_cache=cache, max_tokens=MAX_TOKENS,
+                                 prefill_step_size=step))
+        same(([int(t) for t, _ in out], [np.array(lp) for _, lp in out]), want, f"prefill_step_size={step}")
+    for step in (16, 20):
+        batched = run_batch(model, [(toks, MAX_TOKENS), (prompt(57, 25), MAX_TOKENS)], prefill_step_size=step)
+        same(batched[0], want, f"batched with a longer prompt, prefill_step_size={step}")
+
+
 def test_rows_never_read_each_other(model, monkeypatch):
     """A mutant batch cache whose decode reads row 0's tokens for every row fails the comparison above."""
     requests = [(prompt(20, 9), 6), (prompt(20, 10), 6)]   # equal lengths: row 0's cache fits row 1's query
     monkeypatch.setattr(A2ATSBatchCache, "decode", lambda self, q, scale=None: mx.concatenate(
-        [self.rows[0].decode(q[i:i + 1], scale=scale) for i in range(q.shape[0])], axis=0))
+        [attend_prompt_token(self.rows[0], q[i:i + 1], scale) if r.newest_is_prompt
+         else self.rows[0].decode(q[i:i + 1], scale=scale) for i, r in enumerate(self.rows)], axis=0))
     bad = run_batch(model, requests)
     same(bad[0], alone(model, requests[0][0], max_tokens=6), "row 0")
     with pytest.raises(AssertionError):
@@ -149,11 +168,12 @@ def test_server_prompt_cache_reuse_gives_identical_outputs(model):
 
 def test_prefilled_ends_at_the_first_token_a_decode_answered(model):
     """A2ATSCache.prefilled, what the server's prompt cache reuses: a prefill's tokens count, a decoded token
-    and everything after it do not, whatever the model writes later; trims, copies and batch rows keep it."""
+    and everything after it do not, whatever the model writes later; trims, copies and batch rows keep it.
+    A prompt's last token, which mlx-lm runs alone, counts: it is a prompt token (runtime.prompt)."""
     cache = a2ats_caches(model, **CFG)
     model(mx.array([prompt(12, 19)]), cache=cache)
     assert {c.prefilled for c in cache} == {12}
-    model(mx.array([prompt(1, 20)]), cache=cache)    # one token: the hook answers its query by A2ATS decode
+    model(mx.array([prompt(1, 20)]), cache=cache)    # one token, no evaluation before it: a decode step
     model(mx.array([prompt(4, 21)]), cache=cache)    # a later chunk, attended densely, on top of it
     assert {c.prefilled for c in cache} == {12} and cache[0].offset == 17
     assert {c.prefilled for c in copy.deepcopy(cache)} == {12}
@@ -166,7 +186,7 @@ def test_prefilled_ends_at_the_first_token_a_decode_answered(model):
     first = prompt(9, 22)
     run_batch(model, [(first, 3), (prompt(5, 23), 3)], finished=finished)
     row, held = finished[0]
-    assert row[0].offset == len(held) and {c.prefilled for c in row} == {len(first) - 1}
+    assert row[0].offset == len(held) and {c.prefilled for c in row} == {len(first)}
 
 
 def test_copy_is_independent_and_shares_the_codebook(model):

@@ -22,11 +22,16 @@ def setup():
 
 
 @pytest.mark.clause("CACHE-SAVE")
-def test_save_load_gives_identical_future_outputs(tmp_path, setup):
+@pytest.mark.parametrize("evaluated", [False, True], ids=["mid-generation", "after-a-prompt-chunk"])
+def test_save_load_gives_identical_future_outputs(tmp_path, setup, evaluated):
+    """After a prompt chunk mlx-lm evaluates the caches' state, which makes the next token a prompt token
+    (runtime.prompt): the file keeps that mark, so the loaded cache gives that token dense attention too."""
     model, cb = setup
     toks = tokens(40, seed=2)
     cache = a2ats_caches(model, codebook=cb, w=4, sinks=2, topk=3)
     model(toks[:, :30], cache=cache)
+    if evaluated:
+        mx.eval([c.state for c in cache])
     path = tmp_path / "c.safetensors"
     save_a2ats_cache(path, cache, metadata={"note": "hi"})
     loaded, meta = load_a2ats_cache(path, cb, return_metadata=True)

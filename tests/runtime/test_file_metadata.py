@@ -86,6 +86,17 @@ def test_valid_file_loads(saved, tmp_path):
     assert loaded[0].offset == 12 and loaded[0].traditional is True
 
 
+def test_the_prompt_marks_may_be_absent_and_are_read_back(saved, tmp_path):
+    """runtime.prompt's marks: a file without them loads as a restored state does; one with them gives them back."""
+    cb, arrays, meta = saved
+    bare = _with_layer0(meta, prefilled=_DROP, prompt_next=_DROP, prompt_starts=_DROP)
+    c = load_a2ats_cache(_write(tmp_path / "bare.safetensors", arrays, bare), cb)[0]
+    assert (c.prefilled, c._prompt_next, c._prompt_starts) == (0, False, [])
+    marked = _with_layer0(meta, prefilled=7, prompt_next=True, prompt_starts=[0, 7])
+    c = load_a2ats_cache(_write(tmp_path / "marked.safetensors", arrays, marked), cb)[0]
+    assert (c.prefilled, c._prompt_next, c._prompt_starts) == (7, True, [0, 7])
+
+
 @pytest.mark.parametrize("change, fragment", [
     (dict(offset=0), "do not match the layers' offsets"),
     (dict(offset=11), "do not fit offset 11"),
@@ -105,6 +116,13 @@ def test_valid_file_loads(saved, tmp_path):
     (dict(fast_rope=[1, 2]), "fast_rope is [1, 2]"),
     (dict(shapes=_DROP), "'shapes'"),
     (dict(extra=1), "'extra'"),
+    (dict(prefilled=13), "prefilled is 13"),
+    (dict(prefilled=-1), "prefilled is -1"),
+    (dict(prefilled="3"), "prefilled is '3'"),
+    (dict(prompt_next=1), "prompt_next is 1"),
+    (dict(prompt_starts=[0, 12]), "prompt_starts is [0, 12]"),
+    (dict(prompt_starts=[5, 2]), "prompt_starts is [5, 2]"),
+    (dict(prompt_starts={"0": 1}), "prompt_starts is {'0': 1}"),
 ])
 def test_layer_metadata_is_checked(saved, tmp_path, change, fragment):
     cb, arrays, meta = saved

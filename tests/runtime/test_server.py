@@ -6,7 +6,9 @@ reuse stops where the earlier cache's prefilled tokens end)."""
 from __future__ import annotations
 
 import json
+import random
 import threading
+import time
 import urllib.request
 from http.server import ThreadingHTTPServer
 
@@ -56,10 +58,15 @@ def served(files, monkeypatch):
         gen.stop_and_join()
 
 
-def complete(url: str, prompt: str, *, usage=None, **extra) -> str:
-    body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, **extra}).encode()
+def complete(url: str, prompt: str, *, usage=None, max_tokens=MAX_TOKENS, stream=False, **extra) -> str:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream,
+                       **extra}).encode()
     req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=HANG_S) as r:
+        if stream:   # server-sent events, one text piece each
+            events = [json.loads(line[6:]) for line in (x.decode().strip() for x in r)
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            return "".join(e["choices"][0].get("text", "") for e in events if e.get("choices"))
         answer = json.loads(r.read())
     if usage is not None:
         usage.update(answer.get("usage", {}))
@@ -93,41 +100,69 @@ def test_concurrent_requests_are_batched_and_each_equals_the_request_alone(serve
         assert got == want, f"prompt {p[:30]!r}: server {got!r}, alone {want!r}"
 
 
-def alone(provider, prompt) -> str:
+def alone(provider, prompt, max_tokens=MAX_TOKENS) -> str:
     model, tok = provider.model, provider.tokenizer
     ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
-    return generate(model, tok, ids, max_tokens=MAX_TOKENS, prompt_cache=make_prompt_cache(model))
+    return generate(model, tok, ids, max_tokens=max_tokens, prompt_cache=make_prompt_cache(model))
 
 
-def test_a_prompt_that_shares_an_earlier_prompts_start_answers_as_alone(served):
-    """The server hands the later prompt the earlier request's cache trimmed back into their shared start. The
-    earlier prompt's last token went through an A2ATS decode, so its keys and values above the first layer
-    differ from a prefill's: reused, they change this answer. The prompt's prefilled start is still reused."""
+@pytest.mark.parametrize("seed", range(6))
+def test_random_request_mixes_answer_as_alone(served, seed):
+    """Requests drawn at random (prompts that share starts with each other and with earlier answers, lengths that
+    leave one-token prefill chunks, streamed or not, different max_tokens) sent at random moments: how the
+    server batches, chunks and reuses caches never changes an answer."""
     provider, url = served
-    first, later = PROMPTS[0], PROMPTS[3]
+    rng = random.Random(seed)
+    pool = PROMPTS + [WORDS[:rng.randrange(3, 80)] for _ in range(3)] + [WORDS * 2 + WORDS[:rng.randrange(1, 40)]]
+    jobs = [(rng.choice(pool), rng.randrange(1, MAX_TOKENS + 2), rng.random() < 0.5, rng.uniform(0, 0.3))
+            for _ in range(6)]
+    answers = [None] * len(jobs)
+
+    def ask(i):
+        p, n, stream, delay = jobs[i]
+        time.sleep(delay)
+        answers[i] = complete(url, p, max_tokens=n, stream=stream)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=HANG_S)
+    for (p, n, stream, _), got in zip(jobs, answers):
+        assert got == alone(provider, p, n), f"prompt {p[:30]!r} ({len(p)} tokens, max_tokens {n}, stream {stream})"
+
+
+@pytest.mark.parametrize("later", [PROMPTS[3], PROMPTS[0] + " "], ids=["longer", "one-token-more"])
+def test_a_prompt_that_shares_an_earlier_prompts_start_answers_as_alone(served, later):
+    """The server hands the later prompt the earlier request's cache trimmed back to their shared start, the
+    earlier prompt, and prefills the rest from there: in other chunks than alone, one of them possibly a single
+    token. Every prompt token gets dense attention however it is chunked (runtime.prompt), so the answer is
+    the one the prompt gets alone; with one token more, that token is the prompt's last, a prompt token too."""
+    provider, url = served
+    first = PROMPTS[0]
     complete(url, first)
     usage = {}
     got = complete(url, later, usage=usage)
     assert got == alone(provider, later), "the server's answer depends on the request before it"
     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    assert 0 < cached < len(provider.tokenizer.encode(first)), usage
+    assert cached == len(provider.tokenizer.encode(first)), usage
 
 
 def test_a_chat_turn_after_an_answer_reuses_only_the_prefilled_prompt(served):
     """A next turn extends the earlier prompt and its answer: the nearest cache holds them all, and the server's
-    prompt cache hands it out only up to the tokens no decode produced."""
+    prompt cache hands it out only up to the tokens no retrieval decode produced: the earlier prompt."""
     provider, _ = served
     model, tok = provider.model, provider.tokenizer
     prompt = tok.encode(PROMPTS[0])
     cache = make_prompt_cache(model)
     answer = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS, prompt_cache=cache)]
     held = prompt + answer                 # generate_step has run the model on its last answer token too
-    assert cache[0].offset == len(held) and cache[0].prefilled == len(prompt) - 1
+    assert cache[0].offset == len(held) and cache[0].prefilled == len(prompt)
     lru = a2s.A2ATSPromptCache(4)
     lru.insert_cache(provider.model_key, held, cache)
     turn = held + tok.encode(" and then")
     got, rest = lru.fetch_nearest_cache(provider.model_key, turn)
-    assert got[0].offset == len(prompt) - 1 and rest == turn[len(prompt) - 1:]
+    assert got[0].offset == len(prompt) and rest == turn[len(prompt):]
     out = generate(model, tok, rest, max_tokens=MAX_TOKENS, prompt_cache=got)
     assert out == alone(provider, turn)
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 from a2ats_ref import checks
 from a2ats_ref.retrieval import attention_scale, gqa_group
 from a2ats_ref.rope import applied_cos_sin
+from a2ats_ref.runtime import prompt
 from a2ats_ref.runtime.decode.dispatch import decode_step_fast
 from a2ats_ref.runtime.threads import ThreadState
 
@@ -56,6 +57,7 @@ def decode(cache, queries: mx.array, scale=None) -> mx.array:
         applied_angle=cache._query_angle(), method=cache.select_method,
         code_counts=None if cache._counts is None else (cache._counts_array(), cache._coded),
     )
+    prompt.decoded(cache)   # the newest token's query was answered by retrieval: it is not prefilled
     return out
 
 
