@@ -14,7 +14,8 @@ dense attention (``attend_prompt_token``). Tokens appended with no evaluation be
 RET-DECODE. That includes the first append into an empty or restored cache, so a caller that appends and then
 decodes (the conformance suite's protocol) decodes by retrieval; for a one-token first prompt the two agree
 anyway (attention over one token is its value). A loop that evaluated ``cache.state`` after every decode step
-would make every step a prompt token; mlx-lm evaluates it after prompt chunks only.
+would make every step a prompt token; mlx-lm evaluates it after prompt chunks only, so a long run of one-token
+prompt tokens warns once per process (PROMPT_RUN_WARNING).
 
 ``prefilled``: tokens ``[0, prefilled)`` were appended before any retrieval decode answered a query of theirs.
 A decoded token attended only to its selection, so at every layer above it its keys and values differ from a
@@ -23,6 +24,7 @@ prefill's: a server that reused them for another prompt would answer that prompt
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import mlx.core as mx
@@ -30,12 +32,24 @@ import mlx.core as mx
 from a2ats_ref.retrieval import attention_scale
 
 __all__ = ["appended", "attend_prompt_token", "cleared", "copy_marks", "decoded", "evaluated", "marks",
-           "restored", "set_marks", "trimmed"]
+           "restored", "set_marks", "trimmed", "PROMPT_RUN", "PROMPT_RUN_WARNING"]
+
+#: one-token prompt tokens in a row that warn: mlx-lm's chunked prefill gives at most two (a one-token chunk,
+#: then the prompt's last token) unless its prefill_step_size is 1
+PROMPT_RUN = 64
+PROMPT_RUN_WARNING = (
+    f"A2ATS: {PROMPT_RUN} one-token steps in a row were prompt tokens and got dense attention, because the cache's "
+    "state was evaluated before each (mlx-lm does that after prompt chunks only). If these are generated tokens, "
+    "evaluate the logits, not cache.state, between steps, or A2ATS retrieval never runs; a prompt fed one token "
+    "at a time may ignore this."
+)
+_warned = [False]   # once per process
 
 
 def cleared(cache) -> None:
     """An empty cache: no mark, nothing prefilled."""
     cache._prompt_next, cache._newest_is_prompt, cache._prompt_starts, cache._prefilled = False, False, [], 0
+    cache._prompt_run = 0
 
 
 def appended(cache, prev: int) -> None:
@@ -45,6 +59,10 @@ def appended(cache, prev: int) -> None:
     cache._newest_is_prompt, cache._prompt_next = cache._prompt_next, False
     if cache._prefilled == prev:
         cache._prefilled = cache.offset
+    cache._prompt_run = cache._prompt_run + 1 if cache._newest_is_prompt and cache.offset - prev == 1 else 0
+    if cache._prompt_run >= PROMPT_RUN and not _warned[0]:
+        _warned[0] = True
+        warnings.warn(PROMPT_RUN_WARNING, UserWarning, stacklevel=4)
 
 
 def decoded(cache) -> None:
@@ -73,7 +91,7 @@ def restored(cache) -> None:
 
 def copy_marks(src, dst) -> None:
     dst._prompt_next, dst._newest_is_prompt = src._prompt_next, src._newest_is_prompt
-    dst._prompt_starts, dst._prefilled = list(src._prompt_starts), src._prefilled
+    dst._prompt_starts, dst._prefilled, dst._prompt_run = list(src._prompt_starts), src._prefilled, src._prompt_run
 
 
 def marks(cache) -> dict:
@@ -85,6 +103,7 @@ def marks(cache) -> dict:
 def set_marks(cache, prefilled: int, prompt_next: bool, prompt_starts: list) -> None:
     """Marks read back from a file (checked by the caller)."""
     cache._prefilled, cache._prompt_next, cache._prompt_starts = prefilled, prompt_next, list(prompt_starts)
+    cache._prompt_run = 0
 
 
 def attend_prompt_token(cache, queries: mx.array, scale: Optional[float]) -> mx.array:

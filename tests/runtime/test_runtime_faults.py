@@ -96,6 +96,36 @@ def test_caches_without_the_hook_warn_once(monkeypatch):
     assert counts == [0, 1, 0], f"warnings naming enable_a2ats (hooked, unhooked, unhooked again): {counts}"
 
 
+def test_evaluating_the_cache_state_every_step_warns_once(monkeypatch):
+    """A decode loop that evaluates cache.state after each step makes each next token a prompt token
+    (runtime.prompt): dense attention, A2ATS never runs. mlx-lm's own generation does not warn."""
+    import warnings
+
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from a2ats_ref.runtime import prompt
+    from a2ats_ref.runtime.hook import enable_a2ats
+    from test_cache_support import a2ats_caches, tiny_llama, tokens
+
+    model = enable_a2ats(tiny_llama())
+    seen_by = {}
+    for loop in ("mlx-lm", "state every step"):
+        monkeypatch.setattr(prompt, "_warned", [False])
+        caches = a2ats_caches(model, w=4, sinks=2, topk=0.1)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if loop == "mlx-lm":
+                list(generate_step(tokens(40)[0], model, prompt_cache=caches, max_tokens=prompt.PROMPT_RUN + 8,
+                                   prefill_step_size=16))
+            else:
+                model(tokens(20), cache=caches)
+                for t in range(prompt.PROMPT_RUN + 8):
+                    mx.eval(model(mx.array([[t % 50]]), cache=caches), [c.state for c in caches])
+        seen_by[loop] = sum(prompt.PROMPT_RUN_WARNING == str(w.message) for w in seen)
+    assert seen_by == {"mlx-lm": 0, "state every step": 1}, seen_by
+
+
 # ---------------------------------------------------------------- float32 overflow: a clear error, never inf/NaN
 
 def _big(shape, scale, seed=0):
