@@ -5,7 +5,8 @@ mlx-lm batches sequences of different lengths by merging one cache per sequence 
 `finalize()`), dropping finished rows (`filter`), adding new ones (`extend`) and handing a row's cache
 back (`extract`). `A2ATSBatchCache` answers that protocol by keeping every row as its own batch-of-one
 A2ATSCache: a row's tokens sit at their own positions 0..n-1 and are coded there, the pads of a
-right-padded prefill are never stored, and a decode runs RET-DECODE row by row. So each row is exactly
+right-padded prefill are never stored, and a decode runs RET-DECODE row by row (dense attention for a row whose
+newest token is its prompt's last: runtime.prompt). So each row is exactly
 the cache the same sequence would have alone (CACHE-BATCH's row rule, for rows of any length).
 
 The model still sees one batch: `offset` is the (B,) array of row lengths (the RoPE offset of the next
