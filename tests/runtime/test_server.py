@@ -32,9 +32,13 @@ def _provider(monkeypatch, argv):
     import mlx_lm.server as mlx_server
 
     made = []
-    monkeypatch.setattr(mlx_server, "run", lambda host, port, provider: made.append(provider))
+    monkeypatch.setattr(mlx_server, "run", lambda host, port, provider: made.append(provider)
+                        or LRU_SEEN.append(mlx_server.LRUPromptCache))
     rc = a2s.main([str(a) for a in argv])
     return rc, (made[0] if made else None)
+
+
+LRU_SEEN = []   # the prompt-cache class mlx_lm.server's run would build, each time a2ats-server reached it
 
 
 @pytest.fixture
@@ -176,6 +180,15 @@ def test_bad_codebook_and_unsupported_flags_stop_before_serving(files, tmp_path,
     assert rc == 2 and provider is None and str(cb) in err and "weights_fingerprint" in err, err
     rc, provider = _provider(monkeypatch, ["--model", folder, "--codebook", cb, "--kv-bits", 4])
     assert rc == 2 and "--kv-bits" in capsys.readouterr().err
+
+
+def test_the_server_runs_with_the_a2ats_prompt_cache(files, monkeypatch):
+    import mlx_lm.server as mlx_server
+
+    folder, _, cb = files
+    before = mlx_server.LRUPromptCache
+    rc, provider = _provider(monkeypatch, ["--model", folder, "--codebook", cb])
+    assert rc == 0 and LRU_SEEN[-1] is a2s.A2ATSPromptCache and mlx_server.LRUPromptCache is before
 
 
 def test_help_lists_both_flag_sets(capsys):
