@@ -54,6 +54,8 @@ def cleared(cache) -> None:
 
 def appended(cache, prev: int) -> None:
     """After tokens [prev, offset) were appended: the newest is a prompt token when the mark was set."""
+    if cache.offset == prev:   # an empty append (mlx-lm's KVCache takes one): nothing to mark
+        return
     if cache._prompt_next:
         cache._prompt_starts.append(prev)   # what a trim back to prev restores
     cache._newest_is_prompt, cache._prompt_next = cache._prompt_next, False

@@ -177,6 +177,10 @@ def test_prefilled_ends_at_the_first_token_a_decode_answered(model):
     model(mx.array([prompt(4, 21)]), cache=cache)    # a later chunk, attended densely, on top of it
     assert {c.prefilled for c in cache} == {12} and cache[0].offset == 17
     assert {c.prefilled for c in copy.deepcopy(cache)} == {12}
+    mx.eval([c.state for c in cache])                # as mlx-lm after a prompt chunk: the next token is a prompt's
+    empty = mx.zeros((1, cache[0].codebook.n_kv_heads, 0, cache[0].codebook.head_dim))
+    cache[0].update_and_fetch(empty, empty)          # an empty append marks nothing
+    assert cache[0]._prompt_next and cache[0].offset == 17
     for c in cache:
         c.trim(6)
     assert {c.prefilled for c in cache} == {11}
