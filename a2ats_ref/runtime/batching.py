@@ -171,8 +171,8 @@ class A2ATSBatchCache(_BaseCache):
         queries (B, n_q, 1, d) -> (B, n_q, 1, dv)."""
         if queries.ndim != 4 or queries.shape[0] != len(self.rows):
             raise ValueError(f"queries: expected (B={len(self.rows)}, n_q, 1, d), got {tuple(queries.shape)}")
-        return mx.concatenate([prompt.attend_prompt_token(r, queries[i:i + 1], scale) if r.newest_is_prompt
-                               else r.decode(queries[i:i + 1], scale=scale) for i, r in enumerate(self.rows)], axis=0)
+        return mx.concatenate([prompt.attend_newest(r, queries[i:i + 1], scale) for i, r in enumerate(self.rows)],
+                              axis=0)
 
     # ---- mlx-lm's batching protocol
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):

@@ -9,7 +9,7 @@ class with a dispatcher:
 - cache is an A2ATSCache and the query length is 1 -> RET-DECODE (cache.decode):
   the real post-RoPE query is right there, one line after update_and_fetch; unless the token is a
   prompt token (a one-token prompt chunk, the prompt's last token: runtime.prompt), which gets PREFILL's
-  dense attention like the rest of its prompt (prompt.attend_prompt_token);
+  dense attention like the rest of its prompt (prompt.attend_newest);
 - cache is an A2ATSCache and the query length is > 1 -> PREFILL: mlx-lm's own
   dense causal attention with the mask mlx-lm passed; on the CPU, a causal
   prefill of at least prefill.HOST_PREFILL_MIN query x key pairs runs
@@ -79,9 +79,9 @@ def _make_dispatcher(original):
                 "A2ATS decode got an explicit attention mask (padding or a sliding window); A2ATS supports "
                 "equal-length batches without padding on full-attention layers"
             )
-        if not batch and cache.newest_is_prompt:   # a prompt token alone (runtime.prompt)
-            return prompt.attend_prompt_token(cache, queries, scale)
-        return cache.decode(queries, scale=scale)
+        if batch:
+            return cache.decode(queries, scale=scale)   # row by row, each through prompt.attend_newest
+        return prompt.attend_newest(cache, queries, scale)   # RET-DECODE, or dense for a prompt token
 
     scaled_dot_product_attention._a2ats_dispatcher = True
     scaled_dot_product_attention._a2ats_original = original

@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from a2ats_ref.retrieval import attention_scale
 
-__all__ = ["appended", "attend_prompt_token", "cleared", "copy_marks", "decoded", "evaluated", "marks",
+__all__ = ["appended", "attend_newest", "attend_prompt_token", "cleared", "copy_marks", "decoded", "evaluated", "marks",
            "restored", "set_marks", "trimmed", "PROMPT_RUN", "PROMPT_RUN_WARNING"]
 
 #: one-token prompt tokens in a row that warn: mlx-lm's chunked prefill gives at most two (a one-token chunk,
@@ -106,6 +106,14 @@ def set_marks(cache, prefilled: int, prompt_next: bool, prompt_starts: list) -> 
     """Marks read back from a file (checked by the caller)."""
     cache._prefilled, cache._prompt_next, cache._prompt_starts = prefilled, prompt_next, list(prompt_starts)
     cache._prompt_run = 0
+
+
+def attend_newest(cache, queries: mx.array, scale: Optional[float]) -> mx.array:
+    """The newest token's attention, queries (B, n_q, 1, d) -> (B, n_q, 1, dv): PREFILL's dense attention for a
+    prompt token, RET-DECODE (cache.decode) for a generated one. The hook and each row of a batch take it here."""
+    if cache.newest_is_prompt:
+        return attend_prompt_token(cache, queries, scale)
+    return cache.decode(queries, scale=scale)
 
 
 def attend_prompt_token(cache, queries: mx.array, scale: Optional[float]) -> mx.array:
