@@ -163,17 +163,32 @@ def test_a_kept_cubin_that_does_not_match_its_digest_is_compiled_again(tmp_path,
 
 
 @pytest.mark.parametrize("found", [True, False])
-def test_the_step_keeps_cubins_where_nvrtc_is_found_unless_told_otherwise(found, monkeypatch):
+def test_the_step_takes_mlx_jit_unless_told_to_keep_cubins(found, monkeypatch):
+    """MLX's JIT by default (the faster step on a GPU); auto keeps cubins where NVRTC is found, 1 insists."""
     monkeypatch.setattr(pc, "available", lambda: found)
     monkeypatch.delenv(pc.ENV, raising=False)
-    assert pc.default_launch() is (pc.launch if found else cd.mlx_launch)
+    assert pc.default_launch() is cd.mlx_launch
     monkeypatch.setenv(pc.ENV, "0")
     assert pc.default_launch() is cd.mlx_launch
+    monkeypatch.setenv(pc.ENV, "auto")
+    assert pc.default_launch() is (pc.launch if found else cd.mlx_launch)
     monkeypatch.setenv(pc.ENV, "1")   # insisted on: a missing NVRTC fails at the launch, naming what is missing
     assert pc.default_launch() is pc.launch
     monkeypatch.setenv(pc.ENV, "yes")
     with pytest.raises(ValueError, match=pc.ENV):
         pc.default_launch()
+
+
+def test_a_suite_process_keeps_cubins_unless_the_user_chose(monkeypatch):
+    """The conformance suite and the tests meet many head shapes in many short processes: they keep the cubins
+    (suite_env), and a value the user set stays."""
+    from a2ats_conformance.harness import suite_env
+    monkeypatch.delenv(pc.ENV, raising=False)
+    suite_env.pin_suite_process()
+    assert pc.os.environ[pc.ENV] == "auto"
+    monkeypatch.setenv(pc.ENV, "0")
+    suite_env.pin_suite_process()
+    assert pc.os.environ[pc.ENV] == "0"
 
 
 def test_available_says_no_where_nvrtc_is_missing(monkeypatch):

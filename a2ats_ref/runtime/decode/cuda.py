@@ -33,9 +33,9 @@ position and the scale as float32 bits; the chunk length) travels as the shape o
 which MLX passes to the kernel by value: decoding never recompiles a kernel and hands the GPU no host-written
 memory. Each kernel is compiled per dtype and head shape. Through ``mx.fast.cuda_kernel`` (``mlx_launch``) that
 happens in every process: MLX 0.32 keeps no on-disk copy of its modules, and on an H100 the select and attend
-instances of a new head shape took 2.4-3.0 s together, the mask kernel 1.2 s. So the step launches through
-``runtime.decode.precompiled`` where NVRTC is found, which keeps each instance's cubin on disk and compiles it once
-per machine (``python -m a2ats_ref.bench.decode_profile --first-use`` times the first call per shape).
+instances of a new head shape took 2.4-3.0 s together, the mask kernel 1.2 s. ``runtime.decode.precompiled`` keeps
+each instance's cubin on disk instead and compiles it once per machine, at a slower step; it says when each launcher
+is taken (``python -m a2ats_ref.bench.decode_profile --first-use`` times the first call per shape).
 
 ``fast_decode`` runs this for method="cuda", and "auto" takes it on CUDA when ``usable()``: a once-per-process
 self-check that the kernels compile and reproduce the portable parts (the LUT against float64, the selected set

@@ -14,19 +14,21 @@ runs the same kernel bodies:
 - the cubin is kept under the user's cache folder, named by a digest of the source, the options and the NVRTC
   version, and written atomically: a later process, or another worker, loads it without compiling.
 
-What it costs and saves, side by side with the JIT path:
+What it costs and saves, side by side with the JIT path (an H100, float16):
 - per step, host time: MLX copies and hashes a precompiled kernel's bytes at every launch, and a cubin (19-69 KB
-  here) is larger than the source ``mx.fast.cuda_kernel`` hashes (7-14 KB), about 10 us more per step on one CPU
-  core; this module's own per-launch Python adds about 18 us per layer (``decode_profile --host-build``, which
-  leaves MLX's own launch work out of both). On an H100, four alternating runs of ``decode_profile --parts`` at
-  64K float16 put this path's step -16 to +49 us from the JIT path's, within the spread of dense attention itself
-  (0.19-0.29 ms) across those runs;
+  here) is larger than the source ``mx.fast.cuda_kernel`` hashes (7-14 KB); this module's own per-launch Python
+  adds about 18 us per layer (``decode_profile --host-build``, which leaves MLX's own launch work out of both).
+  ``decode_profile --parts`` at 64K, alternating: a step of 0.222 and 0.224 ms here against 0.196 and 0.197 ms
+  through the JIT path; SmolLM2 end to end at 32K (``a2ats-bench speed --only e2e --e2e-ctx 32768``, alternating):
+  0.78x and 0.80x dense here against 0.89x and 0.92x, 134-146 against 109-116 us of A2ATS attention per layer;
 - per process: a head shape's first step takes 0.001-0.24 s once its cubins are kept, against 2.4-3.5 s of
   compiling through ``mx.fast.cuda_kernel``; the conformance suite at ci on 15 workers takes 52 s warm.
 
-The decode step takes this path wherever NVRTC and the CUDA headers are found (``enabled``); MLX's CUDA wheel
-brings both. ``A2ATS_PRECOMPILED_KERNELS=0`` runs the kernels through ``mx.fast.cuda_kernel`` instead, and ``=1``
-insists on this path (a missing NVRTC is then an error at the first launch, not a silent fallback).
+So a process that decodes for long takes MLX's JIT, the default, and one that meets many head shapes briefly (a
+test or conformance run: ``a2ats_conformance.harness.suite_env`` sets ``auto``) keeps the cubins.
+``A2ATS_PRECOMPILED_KERNELS=auto`` takes this path wherever NVRTC and the CUDA headers are found (``available``;
+MLX's CUDA wheel brings both), ``=1`` insists on it (a missing NVRTC is then an error at the first launch, not a
+silent fallback), and ``=0`` or unset runs the kernels through ``mx.fast.cuda_kernel``.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ import mlx.core as mx
 
 from a2ats_ref.runtime.decode import cuda as cuda_decode
 
-#: 0: run the decode kernels through mx.fast.cuda_kernel; 1: through this module, or fail; unset: this module
-#: where available()
+#: 0 or unset: run the decode kernels through mx.fast.cuda_kernel; 1: through this module, or fail; auto: this
+#: module where available()
 ENV = "A2ATS_PRECOMPILED_KERNELS"
 #: C type of each MLX dtype a kernel argument can have
 CTYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint8: "unsigned char",
@@ -55,10 +57,10 @@ CTYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16
 def enabled() -> bool:
     """Whether the decode kernels run from kept cubins (see ENV)."""
     asked = os.environ.get(ENV, "")
-    if asked not in ("", "0", "1"):
-        raise ValueError(f"{ENV}={asked!r}: set it to 0 (MLX's JIT), 1 (kept cubins) or leave it unset (kept "
-                         "cubins where NVRTC is found)")
-    return asked == "1" or (asked == "" and available())
+    if asked not in ("", "0", "1", "auto"):
+        raise ValueError(f"{ENV}={asked!r}: set it to 0 or leave it unset (MLX's JIT, the fastest step), 1 (kept "
+                         "cubins) or auto (kept cubins where NVRTC is found)")
+    return asked == "1" or (asked == "auto" and available())
 
 
 @lru_cache(maxsize=None)
