@@ -87,6 +87,29 @@ def test_step_numbers_reach_the_launch_as_plain_ints():
         cd.step_params(**{**kw, "kk": 30.5})
 
 
+@pytest.mark.parametrize("arrays", [True, False])
+def test_step_params_are_made_once_per_step_and_thread(arrays):
+    """Every layer of a token asks for the same step: the same numbers in one thread get the same parameters back,
+    any changed number new ones (a stale step would decode another token's range), another thread its own."""
+    import threading
+    kw = dict(kk=30, c0=8, c1=1000, counted=1000, S=64, kept=True, n=1064, sinks=8, w=64, b=2048.0,
+              query_pos=1063.0, scale=0.1, chunk=256, arrays=arrays)
+    first = cd.step_params(**kw)
+    assert all(x is y for x, y in zip(cd.step_params(**kw), first))
+    shapes = [x.shape for x in first]
+    changed = dict(kk=31, c0=7, c1=999, counted=1001, S=65, kept=False, n=1065, sinks=7, w=63, b=2047.0,
+                   query_pos=1062.0, scale=0.2, chunk=512)
+    for field, value in changed.items():
+        assert [x.shape for x in cd.step_params(**{**kw, field: value})] != shapes, field
+    assert [x.shape for x in cd.step_params(**kw)] == shapes
+    other = []
+    worker = threading.Thread(target=lambda: other.append(cd.step_params(**kw)))
+    worker.start()
+    worker.join()
+    assert [x.shape for x in other[0]] == shapes
+    assert not arrays or all(x is not y for x, y in zip(other[0], first))
+
+
 @pytest.mark.clause("RET-DECODE")
 def test_launch_hands_mlx_the_instance_its_pointers_and_its_shapes(fixed_arch, monkeypatch):
     """What launch passes mx.fast.precompiled_cuda_kernel is what source_for describes, with the kept cubin (a

@@ -130,11 +130,13 @@ def prepare_codebook(C, dtype=mx.float32) -> mx.array:
 
 
 
+@lru_cache(maxsize=16)
 def _regions(n: int, w: int, sinks: int):
-    """Forced (sinks + window) token indices and the candidate range [c0, c1) for n cached tokens."""
+    """Forced (sinks + window) token indices, a tuple, and the candidate range [c0, c1) for n cached tokens. Kept
+    per (n, w, sinks): every layer of a model asks for the same step's regions, and the tuple costs ~2 us."""
     win0 = max(n - w, 0)
     s_end = min(sinks, n)
-    forced = list(range(s_end)) + list(range(max(win0, s_end), n))
+    forced = tuple(range(s_end)) + tuple(range(max(win0, s_end), n))
     c0, c1 = s_end, max(win0, s_end)
     return forced, c0, c1
 
