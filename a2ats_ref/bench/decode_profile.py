@@ -30,6 +30,13 @@ each launcher (MLX's JIT and the kept cubins), alternating. MLX's own per-launch
 launch: what remains is this package's Python and the MLX ops it builds, the part of the fixed cost per layer
 that no kernel change removes.
 
+    python -m a2ats_ref.bench.decode_profile --resources --T 262144 --dtype float16   # needs NVRTC, no GPU
+
+compiles the step's select and attend kernels for sm_90 (the H100's and H200's architecture) or this machine's
+GPU, as the decode step launches them at Llama-3.1-8B shapes, and prints what ptxas reports (registers per thread,
+shared memory, spills) and what that allows: resident blocks per SM, and the waves the step's grid takes on --sms
+SMs. A kernel whose blocks wait on memory in turns runs in as many rounds as it has waves.
+
     python -m a2ats_ref.bench.decode_profile --first-use --dtype float16
 
 times the CUDA step's first call for each of a few head shapes (FIRST_USE_SHAPES) in this process: compiling the
@@ -151,6 +158,63 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
     }
     res = bench_speed.interleaved(fns, reps=reps, warmup=3)
     return {"T": T, "dtype": dtype_name, "median_ms": {k: round(v["median_ms"], 4) for k, v in res.items()}}
+
+
+#: per-SM limits of compute capability 9.0 (H100, H200), from the CUDA C++ Programming Guide's table of technical
+#: specifications: 32-bit registers (allocated per warp in units of 256), resident threads and blocks, shared memory
+#: bytes, and the shared memory the system reserves per block
+SM90 = {"registers": 65536, "register_unit": 256, "threads": 2048, "blocks": 32, "smem": 233472, "smem_reserved": 1024}
+
+
+def blocks_per_sm(registers: int, smem: int, threads: int, limits: dict = SM90) -> dict:
+    """Resident blocks per SM of a kernel using ``registers`` per thread and ``smem`` bytes per block of
+    ``threads`` threads, by each limit and overall (the smallest)."""
+    warps = -(-threads // 32)
+    per_warp = -(-registers * 32 // limits["register_unit"]) * limits["register_unit"]
+    by = {"registers": limits["registers"] // max(1, per_warp * warps),
+          "smem": limits["smem"] // (smem + limits["smem_reserved"]),
+          "threads": limits["threads"] // threads, "blocks": limits["blocks"]}
+    return {"blocks_per_sm": min(by.values()), "limited_by": min(by, key=by.get)}
+
+
+def kernel_resources(T: int, dtype_name: str, *, batch: int = 1, sms: int = 132) -> list[dict]:
+    """ptxas's report and the resulting residency of the step's kernels at Llama-3.1-8B shapes (see the module
+    docstring); needs NVRTC and the CUDA headers (runtime.decode.precompiled finds them), not a GPU."""
+    shape, K, dtype = bench_speed.LLAMA31_8B, 4096, bench_speed.DTYPES[dtype_name]
+    G, n_kv, d = shape["n_q"] // shape["n_kv"], shape["n_kv"], shape["d"]
+    try:
+        arch = precompiled.compute_capability()
+    except (RuntimeError, OSError):
+        arch = (9, 0)
+    specs = []
+
+    def capture(name, **spec):
+        specs.append((name, spec))
+        return [mx.zeros(s, dtype=t) for s, t in zip(spec["output_shapes"], spec["output_dtypes"])]
+    capture.shapes_by_value = True
+    # the launch specs only: the kernels never run, so small buffers stand in for T tokens
+    q, kv = mx.zeros((batch, G * n_kv, 1, d), dtype=dtype), mx.zeros((batch, n_kv, 16, d), dtype=dtype)
+    _, c0, c1 = fast_decode._regions(T, 64, 8)
+    kk = topk_count(T, 0.03, c1 - c0)
+    cd.decode(q, kv, kv, mx.zeros((batch, n_kv, 16), dtype=mx.uint16), mx.zeros((n_kv, d, K)), mx.zeros((d // 2,)),
+              counts=mx.zeros((batch, n_kv, K), mx.int32), kept=True, kk=kk, c0=c0, c1=c1, counted=T,
+              S=fast_decode.sortfree_width(kk, G, K, c1 - c0), n=T, sinks=8, w=64, b=2048.0, query_pos=float(T - 1),
+              scale=d ** -0.5, traditional=False, launch=capture)
+    rows = []
+    with mock.patch.object(precompiled, "compute_capability", lambda: arch):
+        precompiled._instance.cache_clear()
+        try:
+            for name, spec in specs:
+                symbol, source, _, _ = precompiled.source_for(name, spec)
+                used = precompiled.resources(source, symbol, arch, precompiled.cuda_include())
+                threads, grid = spec["threadgroup"][0], spec["grid"]
+                blocks = (grid[0] // threads) * grid[1] * grid[2]
+                res = blocks_per_sm(used["registers"], used["smem"], threads)
+                rows.append({"kernel": name, "arch": f"sm_{arch[0]}{arch[1]}", "threads": threads, "blocks": blocks,
+                             **used, **res, "waves": round(blocks / (res["blocks_per_sm"] * sms), 2)})
+        finally:
+            precompiled._instance.cache_clear()
+    return rows
 
 
 #: (G, n_kv, d, K) --first-use compiles for: shapes the conformance suite's cache properties draw, and Llama-3.1-8B's
@@ -320,6 +384,10 @@ def main(argv=None) -> int:
                     help="host us per layer of a cache's CUDA decode step, kernels answered (any machine)")
     ap.add_argument("--first-use", action="store_true",
                     help="seconds of the CUDA step's first call per head shape (kernel compilation), no profiler")
+    ap.add_argument("--resources", action="store_true",
+                    help="registers, shared memory and resident blocks per SM of the step's kernels (NVRTC, no GPU)")
+    ap.add_argument("--batch", type=int, default=1, help="--resources: sequences per step")
+    ap.add_argument("--sms", type=int, default=132, help="--resources: SMs of the GPU (132 on an H100 or H200)")
     a = ap.parse_args(argv)
     if a.summarize:
         print(summarize(a.summarize))
@@ -331,6 +399,16 @@ def main(argv=None) -> int:
         return 0
     if a.first_use:
         print(first_use(a.dtype))
+        return 0
+    if a.resources:
+        if a.batch < 1 or a.sms < 1:
+            ap.error("--batch and --sms: at least 1")
+        try:
+            rows = kernel_resources(a.T, a.dtype, batch=a.batch, sms=a.sms)
+        except RuntimeError as e:
+            ap.exit(2, f"--resources needs NVRTC and the CUDA headers: {e}\n")
+        for row in rows:
+            print(row)
         return 0
     if a.host_build:
         print(host_build(a.T, a.dtype))

@@ -223,3 +223,47 @@ def test_available_says_no_where_nvrtc_is_missing(monkeypatch):
         assert pc.available() is False
     finally:
         pc.available.cache_clear()
+
+
+PTXAS_LOG = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'a2ats_attend_x' for 'sm_90'
+ptxas info    : Function properties for a2ats_attend_x
+    0 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 18764 bytes smem
+"""
+
+
+def test_ptxas_report_is_read_and_a_missing_one_is_an_error():
+    assert pc.ptxas_resources(PTXAS_LOG) == {"registers": 128, "smem": 18764, "spill_stores": 8, "spill_loads": 12}
+    with pytest.raises(RuntimeError, match="no ptxas resource report"):
+        pc.ptxas_resources("ptxas info    : 0 bytes gmem\n")
+
+
+@pytest.mark.parametrize("regs, smem, threads, blocks, by", [
+    (128, 18764, 256, 2, "registers"),     # 4,096 registers a warp, 8 warps a block: 2 blocks of 65,536
+    (54, 23624, 1024, 1, "registers"),     # 54 -> 56 a thread (256 a warp), 32 warps: one block
+    (41, 0, 512, 2, "registers"),          # 41 x 32 = 1,312 -> 1,536 a warp: 2 blocks, not 3
+    (32, 116000, 128, 1, "smem"),          # 116,000 + 1,024 reserved: one block of 233,472 bytes, not 2
+    (16, 0, 1024, 2, "threads"),
+    (16, 0, 32, 32, "blocks"),
+])
+def test_blocks_per_sm_takes_the_tightest_limit(regs, smem, threads, blocks, by):
+    from a2ats_ref.bench.decode_profile import blocks_per_sm
+    assert blocks_per_sm(regs, smem, threads) == {"blocks_per_sm": blocks, "limited_by": by}
+
+
+def test_decode_profile_resources_reports_each_kernel_or_names_what_it_needs(monkeypatch, capsys):
+    from a2ats_ref.bench import decode_profile
+    try:
+        pc.nvrtc(), pc.cuda_include()
+    except RuntimeError:
+        with pytest.raises(SystemExit) as exit_:
+            decode_profile.main(["--resources", "--T", "4096"])
+        assert exit_.value.code == 2 and "NVRTC" in capsys.readouterr().err
+        return
+    rows = decode_profile.kernel_resources(65536, "float16", batch=2)
+    assert [r["kernel"] for r in rows] == ["select", "attend"]
+    for r in rows:
+        assert r["registers"] > 0 and r["blocks_per_sm"] >= 1 and r["blocks"] >= 1
+        assert r["waves"] == round(r["blocks"] / (r["blocks_per_sm"] * 132), 2)
+    assert rows[0]["blocks"] == 2 * 8   # one select block per (sequence, KV head)

@@ -37,6 +37,7 @@ import ctypes
 import glob
 import hashlib
 import os
+import re
 import sys
 import tempfile
 from functools import lru_cache
@@ -145,17 +146,43 @@ def _check(lib, result: int, prog=None) -> None:
 
 def compile_cubin(source: str, name: str, arch: tuple[int, int], include: str) -> bytes:
     """The cubin NVRTC makes of ``source`` for sm_<arch>, with MLX's options."""
+    return _compile(source, name, arch, include)[0]
+
+
+def resources(source: str, name: str, arch: tuple[int, int], include: str) -> dict:
+    """What the kernel in ``source`` uses per thread and block once compiled as compile_cubin compiles it (ptxas's
+    report): registers, static shared memory bytes, spill store and load bytes."""
+    return ptxas_resources(_compile(source, name, arch, include, ("--ptxas-options=-v",))[1])
+
+
+def ptxas_resources(log: str) -> dict:
+    """registers, smem, spill_stores and spill_loads from a ptxas -v report (0 where it names none)."""
+    def grab(pattern: str) -> int:
+        found = re.findall(pattern, log)
+        return max(map(int, found)) if found else 0
+    if not re.search(r"Used \d+ registers", log):
+        raise RuntimeError(f"NVRTC gave no ptxas resource report:\n{log}")
+    return {"registers": grab(r"Used (\d+) registers"), "smem": grab(r"(\d+) bytes smem"),
+            "spill_stores": grab(r"(\d+) bytes spill stores"), "spill_loads": grab(r"(\d+) bytes spill loads")}
+
+
+def _compile(source: str, name: str, arch: tuple[int, int], include: str, extra=()) -> tuple[bytes, str]:
+    """(cubin, NVRTC's log) of ``source`` for sm_<arch> with MLX's options and ``extra`` ones."""
     lib = nvrtc()
     prog = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))
     try:
-        opts = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}".encode(), f"--include-path={include}".encode()]
+        opts = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}".encode(), f"--include-path={include}".encode(),
+                *(o.encode() for o in extra)]
         _check(lib, lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)), prog)
         size = ctypes.c_size_t()
         _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
         buf = ctypes.create_string_buffer(size.value)
         _check(lib, lib.nvrtcGetCUBIN(prog, buf))
-        return buf.raw
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value + 1)
+        lib.nvrtcGetProgramLog(prog, log)
+        return buf.raw, log.value.decode(errors="replace")
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
