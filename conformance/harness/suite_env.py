@@ -4,8 +4,8 @@
   process's first float32 GEMM.
 - ``A2ATS_PRECOMPILED_KERNELS=auto`` unless set: the reference's CUDA decode kernels run from cubins it keeps per
   machine (a2ats_ref.runtime.decode.precompiled). Its default, MLX's JIT, compiles them again in every process,
-  2.4-3.5 s per head shape, and a run draws many head shapes in many workers: on an H100 the suite at ci took
-  130 s warm that way, against 52 s with kept cubins. The variable means nothing to other ports.
+  and a run draws many head shapes in many workers: on an H100 a head shape's first step took 2.4-3.5 s that way,
+  0.001-0.24 s from kept cubins (``decode_profile --first-use``). The variable means nothing to other ports.
 - ``MLX_PTX_CACHE_DIR``: a directory of this process's own, unless the user set one. MLX CUDA's JIT keeps
   compiled kernels in one directory that every process shares (``/tmp/mlx/<version>/ptx``). It writes them with
   plain file streams and reads a cached file without a lock (mlx ``backend/cuda/jit_module.cpp``,
