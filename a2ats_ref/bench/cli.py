@@ -54,8 +54,12 @@ def _gpu(mx) -> dict | None:
     memory = info.get("memory_size")
     if memory is None:
         memory = next((v for k, v in sorted(info.items()) if "mem" in k.lower() and isinstance(v, int)), None)
-    return {"name": info.get("device_name"), "memory_bytes": memory, "mlx_backend": backend,
-            "float32_matmul_tf32": tf32_active(), "device_info": {k: info[k] for k in sorted(info)}}
+    gpu = {"name": info.get("device_name"), "memory_bytes": memory, "mlx_backend": backend,
+           "float32_matmul_tf32": tf32_active(), "device_info": {k: info[k] for k in sorted(info)}}
+    if backend == "cuda":   # the launcher changes the step's host time (runtime.decode.precompiled)
+        from a2ats_ref.runtime.decode import precompiled
+        gpu["decode_kernels"] = "kept cubins" if precompiled.enabled() else "MLX JIT"
+    return gpu
 
 
 def machine(allocator_tuned: bool) -> dict:

@@ -22,7 +22,8 @@ from pathlib import Path
 from a2ats_ref.bench import plots
 
 #: environment variables that change what a bench measures: a page's command names those set for its run
-COMMAND_ENV = ("MLX_ENABLE_TF32", "A2ATS_SMOLLM2_CODEBOOK", "A2ATS_TUNE_ALLOCATOR", "A2ATS_NO_FAST_BLAS")
+COMMAND_ENV = ("MLX_ENABLE_TF32", "A2ATS_SMOLLM2_CODEBOOK", "A2ATS_TUNE_ALLOCATOR", "A2ATS_NO_FAST_BLAS",
+               "A2ATS_PRECOMPILED_KERNELS")
 
 #: the tracked paths a measurement depends on: a change elsewhere (README, results pages) leaves a run's commit clean
 CODE_PATHS = ("a2ats_ref", "conformance", "spec/*.py", "spec/SPEC.md", "pyproject.toml")
@@ -81,7 +82,8 @@ def machine_lines(m: dict) -> list[str]:
     gpu = m.get("gpu")
     if gpu:
         rows.insert(5, ("GPU", f"{gpu.get('name')}, {gpu.get('memory_bytes')} bytes, MLX {gpu.get('mlx_backend')}, "
-                               f"float32 matmuls as TF32: {gpu.get('float32_matmul_tf32')}"))
+                               f"float32 matmuls as TF32: {gpu.get('float32_matmul_tf32')}"
+                               + (f", decode kernels: {gpu['decode_kernels']}" if "decode_kernels" in gpu else "")))
     if "allocator_tuned" in m:
         rows.append(("allocator tuned", m["allocator_tuned"]))
     return ["| machine | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]

@@ -46,9 +46,32 @@ def _fidelity_body(monkeypatch):
 
 def test_provenance_names_the_command_and_the_settings_that_change_it(monkeypatch):
     monkeypatch.setenv("MLX_ENABLE_TF32", "0")
+    monkeypatch.delenv("A2ATS_PRECOMPILED_KERNELS", raising=False)   # the tests' own setting (suite_env)
     p = results_page.provenance("a2ats-bench", ["speed", "--T", "16384,65536"])
     assert p["command"] == "MLX_ENABLE_TF32=0 a2ats-bench speed --T 16384,65536"
     assert re.fullmatch(r"20\d\d-\d\d-\d\d \d\d:\d\d UTC", p["date"]) and p["commit"]
+
+
+def test_a_gpu_page_names_the_decode_kernels_launcher_and_its_setting(monkeypatch):
+    """The CUDA step's launcher changes its host time (runtime.decode.precompiled): the machine block names the one
+    the run used, and the command the variable that chose it."""
+    gpu = {"name": "GPU", "memory_bytes": 1, "mlx_backend": "cuda", "float32_matmul_tf32": False,
+           "decode_kernels": "MLX JIT"}
+    assert "decode kernels: MLX JIT |" in "\n".join(results_page.machine_lines({**MACHINE, "gpu": gpu}))
+    monkeypatch.setenv("A2ATS_PRECOMPILED_KERNELS", "auto")
+    command = results_page.provenance("a2ats-bench", ["speed"])["command"]
+    assert "A2ATS_PRECOMPILED_KERNELS=auto a2ats-bench speed" in command
+
+
+@pytest.mark.parametrize("setting, launcher", [("0", "MLX JIT"), ("1", "kept cubins")])
+def test_a_cuda_run_records_the_launcher_it_used(setting, launcher, monkeypatch):
+    from types import SimpleNamespace
+    import mlx.core as mx
+    fake = SimpleNamespace(gpu=mx.gpu, default_device=lambda: SimpleNamespace(type=mx.gpu),
+                           device_info=lambda: {"device_name": "GPU", "total_memory": 1},
+                           cuda=SimpleNamespace(is_available=lambda: True))
+    monkeypatch.setenv("A2ATS_PRECOMPILED_KERNELS", setting)
+    assert bench._gpu(fake)["decode_kernels"] == launcher
 
 
 def test_a_page_names_its_command_date_commit_and_machine(tmp_path, monkeypatch):
