@@ -57,7 +57,7 @@ def _gpu(mx) -> dict | None:
     gpu = {"name": info.get("device_name"), "memory_bytes": memory, "mlx_backend": backend,
            "float32_matmul_tf32": tf32_active(), "device_info": {k: info[k] for k in sorted(info)}}
     if backend == "cuda":   # the launcher changes the step's host time (runtime.decode.precompiled)
-        from a2ats_ref.runtime.decode import precompiled
+        from a2ats_ref.runtime.decode import precompiled  # deferred: --help and usage errors answer before MLX loads
         gpu["decode_kernels"] = "kept cubins" if precompiled.enabled() else "MLX JIT"
     return gpu
 
