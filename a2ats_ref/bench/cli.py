@@ -58,7 +58,7 @@ def _gpu(mx) -> dict | None:
            "float32_matmul_tf32": tf32_active(), "device_info": {k: info[k] for k in sorted(info)}}
     if backend == "cuda":   # the launcher changes the step's host time (runtime.decode.precompiled)
         from a2ats_ref.runtime.decode import precompiled  # deferred: --help and usage errors answer before MLX loads
-        gpu["decode_kernels"] = "kept cubins" if precompiled.enabled() else "MLX JIT"
+        gpu["decode_kernels"] = precompiled.launcher()
     return gpu
 
 

@@ -160,6 +160,11 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
     return {"T": T, "dtype": dtype_name, "median_ms": {k: round(v["median_ms"], 4) for k, v in res.items()}}
 
 
+def _stand_in_outputs(spec: dict) -> list:
+    """Zeros of a kernel launch's output shapes and dtypes: what a launcher that runs no kernel hands back."""
+    return [mx.zeros(s, dtype=t) for s, t in zip(spec["output_shapes"], spec["output_dtypes"])]
+
+
 #: per-SM limits of compute capability 9.0 (H100, H200), from the CUDA C++ Programming Guide's table of technical
 #: specifications: 32-bit registers (allocated per warp in units of 256), resident threads and blocks, shared memory
 #: bytes, and the shared memory the system reserves per block
@@ -190,16 +195,17 @@ def kernel_resources(T: int, dtype_name: str, *, batch: int = 1, sms: int = 132)
 
     def capture(name, **spec):
         specs.append((name, spec))
-        return [mx.zeros(s, dtype=t) for s, t in zip(spec["output_shapes"], spec["output_dtypes"])]
+        return _stand_in_outputs(spec)
     capture.shapes_by_value = True
     # the launch specs only: the kernels never run, so small buffers stand in for T tokens
+    cfg = A2ATSConfig()   # the cache's defaults, as the bench's step uses them
     q, kv = mx.zeros((batch, G * n_kv, 1, d), dtype=dtype), mx.zeros((batch, n_kv, 16, d), dtype=dtype)
-    _, c0, c1 = fast_decode._regions(T, 64, 8)
-    kk = topk_count(T, 0.03, c1 - c0)
+    _, c0, c1 = fast_decode._regions(T, cfg.w, cfg.sinks)
+    kk = topk_count(T, cfg.topk, c1 - c0)
     cd.decode(q, kv, kv, mx.zeros((batch, n_kv, 16), dtype=mx.uint16), mx.zeros((n_kv, d, K)), mx.zeros((d // 2,)),
               counts=mx.zeros((batch, n_kv, K), mx.int32), kept=True, kk=kk, c0=c0, c1=c1, counted=T,
-              S=fast_decode.sortfree_width(kk, G, K, c1 - c0), n=T, sinks=8, w=64, b=2048.0, query_pos=float(T - 1),
-              scale=d ** -0.5, traditional=False, launch=capture)
+              S=fast_decode.sortfree_width(kk, G, K, c1 - c0), n=T, sinks=cfg.sinks, w=cfg.w, b=float(cfg.b),
+              query_pos=float(T - 1), scale=d ** -0.5, traditional=False, launch=capture)
     rows = []
     with mock.patch.object(precompiled, "compute_capability", lambda: arch):
         precompiled._instance.cache_clear()
@@ -247,7 +253,7 @@ def first_use(dtype_name: str, shapes=FIRST_USE_SHAPES, T: int = 4096) -> dict:
                      "second_s": round(times[1], 4)})
     kept = precompiled.cache_dir()
     return {"dtype": dtype_name, "T": T, "device": str(mx.default_device()), "shapes": rows,
-            "launcher": "kept cubins" if precompiled.enabled() else "MLX JIT",
+            "launcher": precompiled.launcher(),
             "kept_cubins": len(list(kept.glob("*.cubin"))) if kept.is_dir() else 0,
             "mlx_jit_files_of_these_kernels": _kernel_files()}
 
@@ -260,23 +266,23 @@ HOST_BUILD_SHAPE = dict(n_q=9, n_kv=3, d=64, K=4096, layers=30)
 def _answered_launches():
     """The CUDA decode path with each kernel launch returning preallocated outputs (no GPU, no compiler); yields
     the launches answered per launcher."""
-    outs, counts = {}, {"MLX JIT": 0, "kept cubins": 0}
+    outs, counts = {}, {precompiled.JIT: 0, precompiled.KEPT: 0}
 
     def answer(via, **spec):
         counts[via] += 1
         key = (tuple(map(tuple, spec["output_shapes"])), tuple(spec["output_dtypes"]))
         if key not in outs:
-            outs[key] = [mx.zeros(s, dtype=t) for s, t in zip(spec["output_shapes"], spec["output_dtypes"])]
+            outs[key] = _stand_in_outputs(spec)
             mx.eval(*outs[key])
         return outs[key]
 
     with mock.patch.object(cd, "on_cuda", lambda: True), \
-            mock.patch.object(cd, "mlx_launch", lambda name, template=None, **spec: answer("MLX JIT", **spec)), \
+            mock.patch.object(cd, "mlx_launch", lambda name, template=None, **spec: answer(precompiled.JIT, **spec)), \
             mock.patch.object(precompiled, "cubin", lambda symbol, source: b""), \
             mock.patch.object(precompiled, "compute_capability", lambda: (9, 0)), \
             mock.patch.object(precompiled, "nvrtc_version", lambda: "none"), \
             mock.patch.object(precompiled, "_CUBINS", {}), \
-            mock.patch.object(mx.fast, "precompiled_cuda_kernel", lambda **spec: answer("kept cubins", **spec)):
+            mock.patch.object(mx.fast, "precompiled_cuda_kernel", lambda **spec: answer(precompiled.KEPT, **spec)):
         precompiled._instance.cache_clear()
         try:
             yield counts
@@ -302,7 +308,7 @@ def host_build(T: int, dtype_name: str, *, steps: int = 40, rounds: int = 3, sha
         c.select_method = "cuda"
         c.update_and_fetch(kv, kv)
         mx.eval(c.keys, c.values, c.codes)
-    launchers = {"MLX JIT": "0", "kept cubins": "1"}
+    launchers = {precompiled.JIT: "0", precompiled.KEPT: "1"}
     per = {name: [] for name in launchers}
     with _answered_launches() as launches, mock.patch.dict(os.environ):
         for r in range(rounds):

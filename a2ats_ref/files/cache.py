@@ -222,9 +222,9 @@ def _check_inv_freqs(inv, d, fast_rope, where, err) -> None:
 def _load_layer(path, i: int, info: dict, arrays: dict, lc: CodebookLayer, err) -> A2ATSCache:
     where = f"layer {i}"
     required = _LAYER_KEYS | ({"shapes", "dtypes"} if info.get("offset") else set())
-    if set(info) - set(_OPTIONAL_LAYER_KEYS) != required:
-        raise err(f"{where}: metadata fields {sorted((set(info) - set(_OPTIONAL_LAYER_KEYS)) ^ required)} are "
-                  "missing or unexpected")
+    given = set(info) - set(_OPTIONAL_LAYER_KEYS)
+    if given != required:
+        raise err(f"{where}: metadata fields {sorted(given ^ required)} are missing or unexpected")
     for key in ("n_kv_heads", "head_dim", "K"):
         if not _is_int(info[key]):
             raise err(f"{where}: {key} is {info[key]!r}, expected an int")

@@ -74,6 +74,15 @@ def available() -> bool:
     return True
 
 
+#: what launcher() calls each path: MLX's JIT (``mx.fast.cuda_kernel``), or this module's kept cubins
+JIT, KEPT = "MLX JIT", "kept cubins"
+
+
+def launcher() -> str:
+    """The name of the launcher the decode step takes (default_launch), as benches and results pages state it."""
+    return KEPT if enabled() else JIT
+
+
 def default_launch():
     """The launcher the decode step and its self-check use: this module's where enabled(), else MLX's JIT."""
     return launch if enabled() else cuda_decode.mlx_launch
