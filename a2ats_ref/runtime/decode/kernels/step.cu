@@ -24,7 +24,9 @@
     const int job = job_s;
     if (job == 0)
         for (int i = tid; i < sync_shape[0]; i += NT) sync_out[i] = 0;
-    if (job >= BH * (NL + NC)) return;   // only if sync was not zero at launch: the self-check then fails
+    // a ticket outside the grid only comes from counters that were not zero at launch: no job, and the step's
+    // outputs are left unwritten (the self-check fails) rather than indexing outside its rows
+    if ((unsigned)job >= (unsigned)(BH * (NL + NC))) return;
     if (job < BH * NL) {
         const int r = job / NL, part = job - r * NL, h = r % NKV, warp = tid >> 5;
         const int kk = P.kk, c0 = P.c0, c1 = P.c1, counted = P.counted, kept = P.kept, sinks = P.sinks, w = P.w;
