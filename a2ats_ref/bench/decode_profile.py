@@ -12,9 +12,8 @@ No timing claims come from a profiled run: ratios come from a2ats-bench.
     python -m a2ats_ref.bench.decode_profile --parts --T 262144 --dtype float16     # MLX CUDA only
 
 times, interleaved in one loop, dense, the CUDA step as decode_step_fast runs it, the same with its per-step
-parameter array reused (what a fresh host array costs), its kernel alone on fixed inputs (what the launch costs
-beside the Python around it), an empty eval, and the scan alone (the mask kernel): the breakdown README's GPU
-section quotes.
+parameter array reused (what a fresh host array costs), and each of its kernels alone on fixed inputs (what a
+launch costs), with the scan alone (the mask kernel): the breakdown README's GPU section quotes.
 
     python -m a2ats_ref.bench.decode_profile --pipelined --T 262144 --dtype float16
 
@@ -33,7 +32,7 @@ that no kernel change removes.
 
     python -m a2ats_ref.bench.decode_profile --resources --T 262144 --dtype float16   # needs NVRTC, no GPU
 
-compiles the step's kernel for sm_90 (the H100's and H200's architecture) or this machine's
+compiles the step's select and attend kernels for sm_90 (the H100's and H200's architecture) or this machine's
 GPU, as the decode step launches them at Llama-3.1-8B shapes, and prints what ptxas reports (registers per thread,
 shared memory, spills) and what that allows: resident blocks per SM, and the waves the step's grid takes on --sms
 SMs. A kernel whose blocks wait on memory in turns runs in as many rounds as it has waves.
@@ -136,9 +135,7 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
     chunk = cd.chunk_for(T, shape["n_kv"])
     ip = cd.step_params(kk=kk, c0=c0, c1=c1, counted=T, S=S, kept=True, n=T, sinks=kw["sinks"], w=kw["w"],
                         b=float(kw["b"]), query_pos=float(T - 1), scale=scale, chunk=chunk)
-    kernel = lambda: cd.step(x["q"], x["k"], x["v"], x["codes"], x["CT"], inv, counts, ip, n=T, chunk=chunk,
-                             traditional=False)
-    _, tab, lv, nsel = kernel()
+    tab, lv, nsel = cd.select(x["q"], x["CT"], inv, counts, x["codes"], ip, traditional=False)
     mx.eval(ip, tab, lv, nsel)
     step = lambda: dispatch.decode_step_fast(x["q"], x["k"], x["v"], x["codes"], x["CT"], method="cuda", **kw)
     real_params = cd.step_params
@@ -154,7 +151,9 @@ def parts(T: int, dtype_name: str, reps: int = 40) -> dict:
         "dense": dense,
         "cuda step": step, "cuda step, parameter array reused": step_reused_params,
         "empty eval": lambda: mx.array(1.0) + 1,
-        "step kernel alone (LUT, select, scan, attention, merge)": lambda: kernel()[0],
+        "select (LUT, levels)": lambda: cd.select(x["q"], x["CT"], inv, counts, x["codes"], ip, traditional=False),
+        "attend (scan, attention, merge)": lambda: cd.attend(x["q"], x["k"], x["v"], x["codes"], lv, nsel, ip, n=T,
+                                                             chunk=chunk),
         "mask (the scan alone)": lambda: cd.selection_mask(x["codes"], lv, nsel, ip, n=T, chunk=chunk),
     }
     res = bench_speed.interleaved(fns, reps=reps, warmup=3)

@@ -86,8 +86,6 @@ template <typename T> inline T __ldcg(const T* p) { return *p; }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline int atomicSub(int* p, int v) { return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }
-inline void __nanosleep(unsigned) { std::this_thread::yield(); }
-[[noreturn]] inline void __trap() { std::abort(); }
 
 // the block's barrier and each warp's exchange slots, made per block launch
 struct a2ats_warp { std::barrier<> bar{32}; uint32_t slot[32]; };

@@ -212,7 +212,7 @@ def test_cuda_kernel_shapes_fit_the_block():
                                                        strict=True, reason="kernels: no per-head tie quota in the S-slot cut")),
                                                    (1500, 4, 4, 32, 8, True, 60)])
 def test_cuda_step_parts_match_the_portable_step(dtype, T, n_q, n_kv, d, K, kept, S):
-    # The step kernel's LUT against float64; the set its scan takes against the portable
+    # The select kernel's LUT against float64; the set the attend kernel's scan takes against the portable
     # selection given that LUT, exactly (ties included: K = 8 makes huge tie buckets; a small S makes the slot cut
     # bind, level 1 at S = 256 and level-2 ties at S = 60); the attention against the portable attention over that
     # set. A kernel that loses a ballot prefix, a chunk's rank, a radix digit or a tie shows here.
@@ -241,10 +241,10 @@ def test_kept_cubins_match_the_portable_step_and_load_without_compiling(dtype, T
                                    launch=precompiled.launch)
     assert diff["lut_rel_err"] <= 1e-5 and diff["same_selection"], diff
     assert diff["max_rel_err"] <= (1e-5 if dtype == mx.float32 else 1e-2), diff
-    assert len(built) == 2 and len(list((tmp_path / "a2ats-ref" / "cuda-kernels").glob("*.cubin"))) == 2
+    assert len(built) == 3 and len(list((tmp_path / "a2ats-ref" / "cuda-kernels").glob("*.cubin"))) == 3
     monkeypatch.setattr(precompiled, "_CUBINS", {})   # as a new process: the kept files, no compiler
     monkeypatch.setattr(precompiled, "compile_cubin", lambda *a: pytest.fail("compiled a kept kernel again"))
-    for name in ("step", "mask"):
+    for name in ("select", "attend", "mask"):
         symbol = next(p.stem for p in (tmp_path / "a2ats-ref" / "cuda-kernels").glob(f"a2ats_{name}_*.cubin"))
         assert precompiled.cubin(symbol, "unused")
 
@@ -263,7 +263,7 @@ def test_step_params_layout_is_what_the_kernels_read():
                       ("kept", "a[6]"), ("n", "a[7]"), ("sinks", "z[1]"), ("w", "z[2]"), ("chunk", "z[6]"),
                       ("b", "z[3]"), ("qpos", "z[4]"), ("scale", "z[5]")):
         assert f"{field}(" in cuda_decode._HEADER and at in cuda_decode._HEADER.split(f"{field}(")[1][:30], field
-    for src in (cuda_decode._STEP_SRC, cuda_decode._MASK_SRC):
+    for src in (cuda_decode._SELECT_SRC, cuda_decode._SCAN_SRC):
         assert "a2ats_step P(ipa_shape, ipb_shape)" in src   # MLX passes a shape only when the source names it
     kw = dict(kk=5, c0=8, c1=100, counted=164, S=256, kept=True, n=164, sinks=8, w=64, b=2048.0, query_pos=163.0,
               scale=0.125, chunk=512)

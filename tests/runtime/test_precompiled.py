@@ -46,7 +46,7 @@ def test_the_signature_passes_input_pointers_then_outputs_then_shapes(fixed_arch
     """MLX hands a precompiled kernel its inputs' pointers, its outputs' pointers, then the scalars; the empty
     step-parameter arrays go as their shapes only, and each shape the body reads comes back as an array."""
     specs = _specs()
-    assert {n for n, _ in specs} == {"step", "mask"}
+    assert {n for n, _ in specs} == {"select", "attend", "mask"}
     for name, spec in specs:
         symbol, source, scalars, inputs = pc.source_for(name, spec)
         ins, outs, body = cd.KERNELS[name]
@@ -132,7 +132,7 @@ def test_launch_hands_mlx_the_instance_its_pointers_and_its_shapes(fixed_arch, m
 
 
 def test_an_instance_is_named_by_what_compiles_it(fixed_arch, monkeypatch):
-    name, spec = next(s for s in _specs() if s[0] == "step")
+    name, spec = next(s for s in _specs() if s[0] == "select")
     a = pc.source_for(name, spec)[0]
     assert pc.source_for(name, spec)[0] == a
     monkeypatch.setattr(pc, "compute_capability", lambda: (8, 0))
@@ -262,9 +262,8 @@ def test_decode_profile_resources_reports_each_kernel_or_names_what_it_needs(mon
         assert exit_.value.code == 2 and "NVRTC" in capsys.readouterr().err
         return
     rows = decode_profile.kernel_resources(65536, "float16", batch=2)
-    assert [r["kernel"] for r in rows] == ["step"]
+    assert [r["kernel"] for r in rows] == ["select", "attend"]
     for r in rows:
         assert r["registers"] > 0 and r["blocks_per_sm"] >= 1 and r["blocks"] >= 1
         assert r["waves"] == round(r["blocks"] / (r["blocks_per_sm"] * 132), 2)
-    # per (sequence, KV head): the LUT's parts, then one block per chunk of tokens
-    assert rows[0]["blocks"] == 2 * 8 * (cd.lut_parts(4096) + -(-65536 // cd.chunk_for(65536, 2 * 8)))
+    assert rows[0]["blocks"] == 2 * 8   # one select block per (sequence, KV head)

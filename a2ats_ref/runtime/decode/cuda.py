@@ -1,36 +1,29 @@
-"""RET-DECODE on MLX's CUDA backend: the whole sort-free decode step in one CUDA kernel.
+"""RET-DECODE on MLX's CUDA backend: the whole sort-free decode step in two CUDA kernels.
 
 The selection is the portable sort-free step's (``fast_decode``: RET-SELECT's sets from per-code levels, ties
 at a head's threshold taken whole, level-1 tokens first and then level-2 ties, each in index order, cut at S
-slots), and so is the attention, except where the S-slot cut binds in a GQA group of G > 1: the kernel cuts
+slots), and so is the attention, except where the S-slot cut binds in a GQA group of G > 1: the kernels cut
 the level-2 ties of the whole group in index order, the portable step first ranks the tied tokens each head
 needs for its own kk (RET-SELECT's per-head count) with level 1, so there a kernel step can leave a head short
 of its count. What changes is the number of launches and the bytes read: the portable step
 is ~80 small MLX kernels and its time on an H200 was launch overhead (ncu: 81 kernels, most of 2-3 us), and each
-launch through MLX's custom-kernel path still costs ~0.03 ms of host time on an H100. So the step is one launch.
-Its one global dependency (every token's fate needs each head's threshold, which needs every code's score) is
-met inside the launch: each block takes its job from a ticket counter as it starts (kernels/step.cu), and a block
-only waits for jobs of earlier tickets, whose blocks are running and never wait, so no launch order or
-occupancy can deadlock it. The jobs, in ticket order:
+launch through MLX's custom-kernel path still costs ~0.03-0.05 ms of wall time there. So the step is two
+kernels, the fewest its one global dependency allows (every token's fate needs each head's threshold, which
+needs every code's score):
 
-1. the LUT (NL = lut_parts(K) blocks per (b, kv) row, 4 codes per thread): EQ-12 on the query (undo the angle
-   mlx-lm applied, apply b) and q_b C for the part's codes, in float32 FMAs (no TF32: closer to the oracle than
-   the portable step's GEMM under MLX's TF32 default). The row's last part to finish then selects: the kept code
-   counts corrected by the sinks and the coded window tail (as ``fast_decode._candidate_counts``), each query
-   head's kk-th largest candidate score by a radix select over the K code scores weighted by their counts (4
-   passes of 8 bits; T tokens are never sorted), each code's level (1 must, 2 tie at a threshold, 0 not), the
-   level token counts n1, n2, and the row's ready flag;
-2. attend (one block per chunk of tokens and row), once its row is ready: the chunk's tokens are scanned against
-   the code levels (the forced sinks and window always taken) and compacted in index order in shared memory by
-   warp ballots, so no index list goes through memory; their key and value rows are read in place from the cache
-   buffer, 16 bytes per lane, several rows in flight per warp, with an online softmax per lane group (float32);
-   each block leaves a partial (max, sum, weighted V) and the row's last block merges them into the output, in
-   the values' dtype. The S-slot cut of level-2 ties only binds when n1 + n2 > S; only then does a block count
-   the level-1 and level-2 tokens before its chunk, to rank its own.
-
-The ticket, parts and ready counters must be zero at launch. MLX zero-fills an output only with a fill kernel per
-output, so instead each launch zeroes a second buffer (sync_out) that the next launch in the same thread takes as
-its counters (``_sync_chain``): one launch per step, ordered after the last by that data dependency.
+1. ``select`` (one block of 1,024 threads per (b, kv) row): EQ-12 on the query (undo the angle mlx-lm applied,
+   apply b) and the LUT q_b C for every code, in float32 FMAs (no TF32: closer to the oracle than the portable
+   step's GEMM under MLX's TF32 default); then the kept code counts corrected by the sinks and the coded window
+   tail (as ``fast_decode._candidate_counts``), each query head's kk-th largest candidate score by a radix
+   select over the K code scores weighted by their counts (4 passes of 8 bits; T tokens are never sorted), each
+   code's level (1 must, 2 tie at a threshold, 0 not) and the level token counts n1, n2;
+2. ``attend`` (one block per chunk of tokens and row): the chunk's tokens are scanned against the code levels
+   (the forced sinks and window always taken) and compacted in index order in shared memory by warp ballots, so
+   no index list goes through memory; their key and value rows are read in place from the cache buffer, 16
+   bytes per lane, several rows in flight per warp, with an online softmax per lane group (float32); each block
+   leaves a partial (max, sum, weighted V) and the row's last block merges them into the output, in the values'
+   dtype. The S-slot cut of level-2 ties only binds when n1 + n2 > S; only then does a block count the level-1
+   and level-2 tokens before its chunk, to rank its own.
 
 The ``mask`` kernel is the same scan writing the selected set instead of attending to it: only run when a caller
 asks which tokens were selected (``KernelSelection.mask``, the cache's ``last_selection``, the self-check).
@@ -40,7 +33,7 @@ position and the scale as float32 bits; the chunk length) travels as the shape o
 which MLX passes to the kernel by value: decoding never recompiles a kernel and hands the GPU no host-written
 memory. Each kernel is compiled per dtype and head shape. Through ``mx.fast.cuda_kernel`` (``mlx_launch``) that
 happens in every process: MLX 0.32 keeps no on-disk copy of its modules, and on an H100 the select and attend
-kernels of a new head shape (now the step kernel) took 2.4-3.0 s together, the mask kernel 1.2 s. ``runtime.decode.precompiled`` keeps
+instances of a new head shape took 2.4-3.0 s together, the mask kernel 1.2 s. ``runtime.decode.precompiled`` keeps
 each instance's cubin on disk instead and compiles it once per machine, at a slower step; it says when each launcher
 is taken (``python -m a2ats_ref.bench.decode_profile --first-use`` times the first call per shape).
 
@@ -63,9 +56,11 @@ import mlx.core as mx
 
 from a2ats_ref.runtime.threads import ThreadState
 
-#: warps per block of the step and mask kernels, and row groups each lane keeps in flight
+#: threads per block of the select kernel (one block per row: the radix select needs the whole row's scores)
+SELECT_THREADS = 1024
+#: warps per block of the attend and mask kernels, and row groups each lane keeps in flight
 WARPS, ROWS_IN_FLIGHT = 8, 4
-#: threads per block of the step and mask kernels (NT in their source)
+#: threads per block of the attend and mask kernels (NT in their source)
 ATTEND_THREADS = WARPS * 32
 #: the longest chunk of tokens one attend block scans (its shared token list); chunks are powers of two from
 #: ATTEND_THREADS to this, picked per step so a row's chunks fill the GPU (chunk_for)
@@ -90,26 +85,25 @@ def _source(name: str) -> str:
 
 _HEADER = f"#define A2ATS_CHUNK_MAX {CHUNK_MAX}\n" + _source("common.cuh")
 
-# The step kernel (step.cu, then the scan and the attention). q (B, n_q, 1, D) post-RoPE in the cache dtype; CT
-# (n_kv, D, K) float32; inv, tc, ts (D/2,); counts (B, n_kv, K); codes (B, n_kv, T); keys/values (B, n_kv, T_buf, D);
-# sync (S,) int32, zero. Row r = b * n_kv + h; its query heads are r * G + g. levels (BH, KS) uint8 (1 must, 2
-# may, 0 not); nsel (BH, 3): n1, n2, the row's merge ticket.
-#
-# The scan (scan.cuh): block (c, r) scans tokens [c * chunk, (c + 1) * chunk) of [0, n) and leaves tok[0, m): the
-# tokens it takes, in index order. A candidate j in [c0, c1) of level 1 is taken if fewer than S level-1 tokens
-# precede it, one of level 2 if n1 plus the level-2 tokens before it are fewer than S (the portable step's slot
-# order: level 1 first, each level in index order); the sinks and the window are always taken.
-#
-# The attention (attend.cu): a lane group of D / EPL lanes holds one row, EPL elements per lane (one 8-32 byte load);
-# a warp holds 32 / (D / EPL) rows per load and U such loads in flight. Each lane group keeps its own online
-# softmax (max, sum, EPL dims of sum p * V per head); the warp merges its groups, the block its warps into a
-# partial per (row, chunk, head): pm max logit, pl sum, pacc (D,) sum p * V.
-_SCAN_SRC = _source("scan.cuh")
-_STEP_SRC = _source("step.cu") + _SCAN_SRC + _source("attend.cu")
+# q (B, n_q, 1, D) post-RoPE in the cache dtype; CT (n_kv, D, K) float32; inv, tc, ts (D/2,); counts (B, n_kv, K);
+# codes (B, n_kv, T). Row r = b * n_kv + h; its query heads are r * G + g.
+_SELECT_SRC = _source("select.cu")
 
-# The mask kernel: the same scan over a finished step's levels, one block per (chunk, row) of its grid. sel (BH, n)
-# uint8, zeroed by MLX (init_value): 1 on every token the step attends to.
-_MASK_SRC = _source("grid.cuh") + _SCAN_SRC + _source("mask.cu")
+# codes (B, n_kv, T); levels (BH, KS) uint8 (1 must, 2 may, 0 not); nsel (BH, 3): n1, n2, the attend ticket. Block
+# (c, r) scans tokens [c * chunk, (c + 1) * chunk) of [0, n) and leaves tok[0, m): the tokens it takes, in index
+# order. A candidate j in [c0, c1) of level 1 is taken if fewer than S level-1 tokens precede it, one of level 2
+# if n1 plus the level-2 tokens before it are fewer than S (the portable step's slot order: level 1 first, each
+# level in index order); the sinks and the window are always taken.
+_SCAN_SRC = _source("scan.cuh")
+
+# sel (BH, n) uint8, zeroed by MLX (init_value): 1 on every token the step attends to.
+_MASK_SRC = _SCAN_SRC + _source("mask.cu")
+
+# q (B, n_q, 1, D) post-RoPE; keys/values (B, n_kv, T_buf, D). A lane group of D / EPL lanes holds one row, EPL
+# elements per lane (one 8-32 byte load); a warp holds 32 / (D / EPL) rows per load and U such loads in flight.
+# Each lane group keeps its own online softmax (max, sum, EPL dims of sum p * V per head); the warp merges its
+# groups, the block its warps into a partial per (row, block, head): pm max logit, pl sum, pacc (D,) sum p * V.
+_ATTEND_SRC = _SCAN_SRC + _source("attend.cu")
 
 def on_cuda() -> bool:
     """True when MLX's default device is a CUDA GPU (not Metal, not the CPU)."""
@@ -143,42 +137,27 @@ def shapes_supported(G: int, d: int, dv: int, K: int = 4096) -> bool:
 
 @lru_cache(maxsize=None)
 def kernels_fit(G: int, d: int, dv: int, K: int = 4096) -> bool:
-    """What the kernels can hold: the rotated queries, angles, code counts and G 256-bin histograms of a row's
-    select, or the code levels and a chunk's token list, in the step block's shared memory, with the scaled queries
-    and per-warp partials; a row split over lanes in 8-32 byte loads for 2- and 4-byte dtypes; G * EPL
-    accumulators per lane; at most one float4 of a row's G * d outputs per thread in the merge."""
+    """What the kernels can hold: the rotated queries, angles, code counts and G 256-bin histograms in the select
+    block's shared memory; the code levels, a chunk's token list, the scaled queries and per-warp partials in the
+    attend block's; a row split over lanes in 8-32 byte loads for 2- and 4-byte dtypes; G * EPL accumulators per
+    lane; at most one float4 of a row's G * d outputs per thread in the merge."""
     epl = [lane_elems(d, s) for s in (2, 4)]
     return (d == dv and None not in epl and 1 <= G <= 32 and G * max(epl) <= 64 and G * d <= 4 * ATTEND_THREADS
-            and _step_smem(K, G, d) + 4 * G * d + 4 * WARPS + 8 * G + 24 <= _SHARED_LIMIT)
-
-
-def _select_smem(K: int, G: int, d: int) -> int:
-    """Bytes of a row's select in the step kernel's shared buffer: the rotated queries (G * d floats), the four
-    angle tables (d / 2 each), the code counts (K), G 256-bin histograms and the radix fields (4 per head, 2)."""
-    return 4 * G * d + 8 * d + 4 * K + 4 * 256 * G + 16 * G + 8
+            and 4 * G * d + 8 * d + 4 * K + 4 * 256 * G + 16 * G + 16 <= _SHARED_LIMIT
+            and _scan_smem(K, G, d) + 4 * WARPS + 8 + 4 * G * d + 8 * G + 4 <= _SHARED_LIMIT)
 
 
 def _scan_smem(K: int, G: int = 0, d: int = 0) -> int:
-    """Bytes of the scan's shared buffer (SMEM): the code levels and a chunk's token list, which the attention then
-    reuses for its warps' partials (max and sum per head, D sums per head) and then for the merge's float4 sums
-    (one per thread)."""
+    """Bytes of the attend/mask kernels' shared buffer (SMEM): the code levels and a chunk's token list, which
+    the attend kernel then reuses for its warps' partials (max and sum per head, D sums per head) and then for
+    the merge's float4 sums (one per thread)."""
     return max(-(-K // 16) * 16 + 4 * CHUNK_MAX, 4 * WARPS * G * (d + 2), 16 * ATTEND_THREADS)
-
-
-def _step_smem(K: int, G: int, d: int) -> int:
-    """The step kernel's shared buffer: a block runs either a select or a scan and attention."""
-    return max(_select_smem(K, G, d), _scan_smem(K, G, d))
-
-
-def lut_parts(K: int) -> int:
-    """LUT blocks per row (NL in step.cu): four codes per thread."""
-    return -(-K // (4 * ATTEND_THREADS))
 
 
 #: each kernel's input names, output names and source (MLX builds the signature from the names and the arrays)
 KERNELS = {
-    "step": (["q", "CT", "inv", "tc", "ts", "counts", "codes", "keys", "values", "sync", "ipa", "ipb"],
-             ["lut", "levels", "nsel", "pm", "pl", "pacc", "out", "sync_out"], _STEP_SRC),
+    "select": (["q", "CT", "inv", "tc", "ts", "counts", "codes", "ipa", "ipb"], ["lut", "levels", "nsel"], _SELECT_SRC),
+    "attend": (["q", "keys", "values", "codes", "levels", "nsel", "ipa", "ipb"], ["pm", "pl", "pacc", "out"], _ATTEND_SRC),
     "mask": (["codes", "levels", "nsel", "ipa", "ipb"], ["sel"], _MASK_SRC),
 }
 
@@ -255,42 +234,40 @@ def step_params(*, kk: int, c0: int, c1: int, counted: int, S: int, kept: bool, 
     return made
 
 
-#: per thread, the counters the next step kernel starts from (see the module docstring)
-_SYNC = ThreadState()
-
-
-def _sync_chain(size: int) -> mx.array:
-    """This thread's zeroed step counters of at least `size` ints: the last step's sync_out (its launch zeroes it),
-    or new zeros. Per thread, as an MLX array made in one thread fails in another."""
-    last = getattr(_SYNC, "buf", None)
-    if last is None or last.size < size:
-        last = mx.zeros((max(size, 64),), dtype=mx.int32)
-    return last
-
-
-def step(queries, keys, values, codes, CT, inv, counts, ip, *, n: int, chunk: int, traditional: bool,
-         applied_angle=None, launch=mlx_launch):
-    """(out (B, n_q, 1, d), lut (BH, G, K) float32, levels (BH, K) uint8, nsel (BH, 3) int32): the step kernel.
+def select(queries, CT, inv, counts, codes, ip, *, traditional: bool, applied_angle=None, launch=mlx_launch):
+    """(lut (BH, G, K) float32, levels (BH, K) uint8, nsel (BH, 3) int32) (kernel 1): scale · q R_{b - applied} · C
+    per code; each code's level; the level-1 and level-2 token counts and, zeroed, the attend kernel's ticket.
     counts (B, n_kv, K) and codes (B, n_kv, T) as the cache holds them (no reshape: every op is host time on every
     step)."""
     B, n_q, _, d = queries.shape
     n_kv, K = CT.shape[0], CT.shape[-1]
     G, BH = n_q // n_kv, B * n_kv
-    NC = -(-n // chunk)
     tables = applied_angle is not None
     tc, ts = applied_angle if tables else (inv, inv)
-    sync = _sync_chain(1 + 2 * BH)
-    lut, lv, nsel, _, _, _, out, sync_out = launch(
-        "step", inputs=[queries, CT, inv, tc, ts, counts, codes, keys, values, sync, *ip],
-        output_shapes=[(BH, G, K), (BH, K), (BH, 3), (BH, NC, G), (BH, NC, G), (BH, NC, G, d), (B, n_q, 1, d),
-                       sync.shape],
-        output_dtypes=[mx.float32, mx.uint8, mx.int32, mx.float32, mx.float32, mx.float32, values.dtype, mx.int32],
-        grid=(BH * (lut_parts(K) + NC) * ATTEND_THREADS, 1, 1), threadgroup=(ATTEND_THREADS, 1, 1),
-        template=[("T", keys.dtype), ("G", G), ("D", d), ("NKV", n_kv), ("TRAD", int(traditional)),
-                  ("TABLES", int(tables)), ("KS", K), ("NW", WARPS), ("SMEM", _step_smem(K, G, d)),
+    return launch(
+        "select", inputs=[queries, CT, inv, tc, ts, counts, codes, *ip], output_shapes=[(BH, G, K), (BH, K), (BH, 3)],
+        output_dtypes=[mx.float32, mx.uint8, mx.int32], grid=(SELECT_THREADS, BH, 1),
+        threadgroup=(SELECT_THREADS, 1, 1),
+        template=[("T", queries.dtype), ("G", G), ("D", d), ("NKV", n_kv), ("TRAD", int(traditional)),
+                  ("TABLES", int(tables)), ("KS", K), ("CodeT", codes.dtype)])
+
+
+def attend(queries, keys, values, codes, lv, nsel, ip, *, n: int, chunk: int, launch=mlx_launch) -> mx.array:
+    """Exact softmax attention over the tokens the step selects in [0, n), (B, n_q, 1, d) (kernel 2): each block
+    scans its chunk of tokens, attends to the ones it takes and leaves a partial; each row's last block merges
+    them (a ticket in nsel's third column, which select zeroes and the last block resets)."""
+    B, n_q, _, d = queries.shape
+    n_kv = keys.shape[1]
+    BH, G, K = B * n_kv, n_q // n_kv, lv.shape[-1]
+    NC = -(-n // chunk)
+    *_, out = launch(
+        "attend", inputs=[queries, keys, values, codes, lv, nsel, *ip],
+        output_shapes=[(BH, NC, G), (BH, NC, G), (BH, NC, G, d), (B, n_q, 1, d)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, values.dtype],
+        grid=(NC * ATTEND_THREADS, BH, 1), threadgroup=(ATTEND_THREADS, 1, 1),
+        template=[("T", keys.dtype), ("G", G), ("D", d), ("KS", K), ("NW", WARPS), ("SMEM", _scan_smem(K, G, d)),
                   ("EPL", lane_elems(d, keys.dtype.size)), ("U", ROWS_IN_FLIGHT), ("CodeT", codes.dtype)])
-    _SYNC.buf = sync_out
-    return out, lut, lv, nsel
+    return out
 
 
 def selection_mask(codes, lv, nsel, ip, *, n: int, chunk: int, launch=mlx_launch) -> mx.array:
@@ -328,12 +305,14 @@ class KernelSelection(NamedTuple):
 def decode(queries, keys, values, codes, CT, inv, *, counts, kept: bool, kk: int, c0: int, c1: int, counted: int,
            S: int, n: int, sinks: int, w: int, b: float, query_pos: float, scale: float, traditional: bool,
            applied_angle=None, n_tokens: int | None = None, launch=mlx_launch):
-    """One sort-free decode step in one kernel: (out (B, n_q, 1, d), KernelSelection, lut (BH, G, K))."""
+    """One sort-free decode step in two kernels: (out (B, n_q, 1, d), KernelSelection, lut (BH, G, K))."""
     B, n_kv = queries.shape[0], CT.shape[0]
     chunk = chunk_for(n, B * n_kv)
     ip = step_params(kk=kk, c0=c0, c1=c1, counted=counted, S=S, kept=kept, n=n, sinks=sinks, w=w, b=b,
                      query_pos=query_pos, scale=scale, chunk=chunk, arrays=not getattr(launch, "shapes_by_value", False))
-    out, table, lv, nsel = step(queries, keys, values, codes, CT, inv, counts, ip, n=n, chunk=chunk,
-                                traditional=traditional, applied_angle=applied_angle, launch=launch)
+    table, lv, nsel = select(queries, CT, inv, counts, codes, ip, traditional=traditional, applied_angle=applied_angle,
+                             launch=launch)
+    out = attend(queries, keys, values, codes, lv, nsel, ip, n=n, chunk=chunk, launch=launch)
     shape = (B, n_kv, n if n_tokens is None else n_tokens)
     return out, KernelSelection(codes, lv, nsel, ip, n, chunk, shape, launch), table
+

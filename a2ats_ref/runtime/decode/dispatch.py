@@ -2,7 +2,7 @@
 
 ``decode_step_fast`` checks shapes in pure Python (no host sync), applies RET-TOPK and RET-SELECT's
 never-empty rule, and hands the step to the method ``auto_method`` picks: the portable parts
-(``runtime.decode.portable``) on every device, or the one-kernel CUDA step (``runtime.decode.cuda``) where its
+(``runtime.decode.portable``) on every device, or the two CUDA kernels (``runtime.decode.cuda``) where their
 self-check (``runtime.decode.selfcheck``) passed.
 """
 
@@ -25,7 +25,7 @@ from a2ats_ref.runtime.decode.selfcheck import usable
 def auto_method(n_candidates: int, *, G: int | None = None, d: int | None = None, dv: int | None = None,
                 K: int | None = None, n_kv: int | None = None, dtype=None) -> str:
     """method="auto": on the CPU, host selection from portable.HOST_SELECT_MIN candidates, else in-graph argpartition
-    (both tuned there); on MLX CUDA the one-kernel step (cuda_decode) when its self-check passed and the head
+    (both tuned there); on MLX CUDA the two-kernel step (cuda_decode) when its self-check passed and the head
     shape (G, d, dv, K, when given) fits it; on any other device the portable sort-free step (no CPU-tuned
     number decides a GPU path)."""
     if mx.default_device().type != mx.cpu:
@@ -134,7 +134,7 @@ def decode_step_fast(queries, keys, values, codes, CT, *, query_pos: int, b: int
 
 def _decode_sortfree(queries, keys, values, codes, CT, inv, *, cuda=False, i, b, kk, c0, c1, forced, w, sinks, scale,
                      traditional, n_tokens, applied_angle, code_counts, return_mask, return_selection):
-    """decode_step_fast's method="sortfree" (one compiled call) or "cuda" (one kernel, cuda_decode), kk > 0."""
+    """decode_step_fast's method="sortfree" (one compiled call) or "cuda" (two kernels, cuda_decode), kk > 0."""
     B, n_q, _, d = queries.shape
     _, n_kv, T_buf, _ = keys.shape
     K, T_codes, n = CT.shape[-1], codes.shape[-1], i + 1

@@ -55,8 +55,8 @@ def compare_parts(*, T: int, n_q: int, n_kv: int, d: int, K: int, dtype=mx.float
                   launch=None) -> dict:
     """One random decode step by the kernels, part by part against the portable step and float64:
 
-    lut_rel_err: the step kernel's LUT against a float64 NumPy LUT (relative to its largest entry);
-    same_selection: the tokens the step kernel attends to (the mask kernel's scan) against the portable selection
+    lut_rel_err: the select kernel's LUT against a float64 NumPy LUT (relative to its largest entry);
+    same_selection: the tokens the kernels cuda_decode.attend to (the mask kernel's scan) against the portable selection
     (fast_decode._sortfree_select given the kernel's LUT, plus the forced tokens), exactly; extra and missing count
     the tokens only the kernels take and only the portable step takes;
     max_rel_err: the attention against the portable attention (fast_decode._attend_fn) over that selection.

@@ -1,5 +1,5 @@
-// RET-DECODE on CUDA: the step kernel's attention to one chunk of one row, after step.cu and scan.cuh (tok[0, m):
-// the chunk's taken tokens). Shared helpers are in common.cuh.
+// RET-DECODE on CUDA: the attend kernel's body (mx.fast.cuda_kernel source). MLX builds its signature from the
+// input and output names in runtime/decode/cuda.py's KERNELS; the shared helpers are in common.cuh.
     constexpr int LPR = D / EPL, RW = 32 / LPR;
     const int warp = tid >> 5, sub = lane / LPR, li = lane % LPR;
     const int Tb = keys_shape[2];
@@ -91,23 +91,26 @@
                 A += f * sacc[(q2 * G + g) * D + dd];
             }
         }
-        const size_t o = ((size_t)r * NC + c) * G + g;
+        const size_t o = ((size_t)r * gridDim.x + c) * G + g;
         pacc[o * D + dd] = A;
         if (dd == 0) { pm[o] = M; pl[o] = Ls; }
     }
-    // The row's last block to finish merges every block's partials into out: a ticket per row, zeroed by the row's
-    // select in nsel's third column, counts the finished blocks; the fence makes each block's partials visible
-    // before its ticket, and the merge reads them from L2.
+    // The row's last block to finish merges every block's partials into out: a ticket per row, zeroed by the
+    // select kernel in nsel's third column, counts the finished blocks; the fence makes each block's partials
+    // visible before its ticket, and the merge reads them from L2.
     __threadfence();
     __syncthreads();
     __shared__ int last;
-    if (tid == 0) last = atomicAdd(nsel + r * 3 + 2, 1) == NC - 1;
+    if (tid == 0) last = atomicAdd(const_cast<int*>(nsel) + r * 3 + 2, 1) == (int)gridDim.x - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
+    // every other block has taken its ticket: reset it, so a second attend over the same nsel merges too
+    if (tid == 0) const_cast<int*>(nsel)[r * 3 + 2] = 0;
     // One block merges NC partials (over a hundred at long contexts), spread over the whole block: warps find each
     // head's max and sum over the blocks, then every thread sums a float4 of outputs over every SPLIT-th partial
     // (16-byte loads, several in flight), and the SPLIT sums of each float4 meet in shared memory.
+    const int NC = gridDim.x;
     const size_t base = (size_t)r * NC;
     __shared__ float Mg[G], Lg[G];
     for (int g = warp; g < G; g += NW) {

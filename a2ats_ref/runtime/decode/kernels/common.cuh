@@ -43,18 +43,3 @@ __device__ inline unsigned a2ats_key(float f) {
     const unsigned u = __float_as_uint(f == 0.0f ? 0.0f : f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
-// Wait until *flag is raised (the step kernel's attend blocks wait for their row's levels); nullptr waits for
-// nothing. Called by every thread of the block. A flag still down after ~2^24 polls (seconds) can only mean a
-// sync buffer that was not zero at launch: trap, a launch error the caller sees, rather than hang the GPU.
-__device__ inline void a2ats_await(const int* flag) {
-    if (flag == nullptr) return;
-    if (threadIdx.x == 0) {
-        int polls = 0;
-        while (*reinterpret_cast<const volatile int*>(flag) == 0) {
-            __nanosleep(200);
-            if (++polls > (1 << 24)) __trap();
-        }
-        __threadfence();
-    }
-    __syncthreads();
-}

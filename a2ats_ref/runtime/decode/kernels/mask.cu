@@ -1,3 +1,3 @@
-// RET-DECODE on CUDA: the mask kernel's body, after grid.cuh and scan.cuh: the selected set, written instead of
-// attended to. MLX builds its signature from the input and output names in runtime/decode/cuda.py's KERNELS.
+// RET-DECODE on CUDA: the mask kernel's body (mx.fast.cuda_kernel source). MLX builds its signature from the
+// input and output names in runtime/decode/cuda.py's KERNELS; the shared helpers are in common.cuh.
     for (int i = tid; i < m; i += NT) sel[(size_t)r * n + tok[i]] = 1;

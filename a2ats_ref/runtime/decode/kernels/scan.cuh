@@ -1,13 +1,22 @@
-// RET-DECODE on CUDA: the token scan the attend and mask kernels share, after a head that names the block's row r,
-// chunk c, the row's chunk count NC, NT threads, P, Tc, the shared buffer a2ats_smem and await_flag (step.cu,
-// grid.cuh); attend.cu or mask.cu follows. Shared helpers are in common.cuh.
-    constexpr int EMAX = A2ATS_CHUNK_MAX / NT;
+// RET-DECODE on CUDA: the token scan the attend and mask kernels share (each appends its own body to this one).
+// Shared helpers are in common.cuh.
+    constexpr int NT = NW * 32, EMAX = A2ATS_CHUNK_MAX / NT;
+    const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
+    const a2ats_step P(ipa_shape, ipb_shape);
     const int n = P.n, c0 = P.c0, c1 = P.c1, S = P.S;
+    const int Tc = codes_shape[2];
+    const int n1 = nsel[r * 3], n2 = nsel[r * 3 + 1];
     const CodeT* crow = codes + (size_t)r * Tc;
-    // SMEM bytes (a2ats_smem): the code levels and the token list here; attend.cu reuses them for its warps' partials
+    // SMEM bytes: the code levels and the token list here; the attend kernel reuses them for its warps' partials
+    __shared__ __align__(16) unsigned char a2ats_smem[SMEM];
     unsigned char* lvs = a2ats_smem;
     int* tok = reinterpret_cast<int*>(a2ats_smem + (KS + 15) / 16 * 16);
     __shared__ int ws[NW], before[2];
+    if (KS % 16 == 0)   // rows of levels start 16-byte aligned then (MLX allocates at least that)
+        for (int k = tid; k < KS / 16; k += NT)
+            reinterpret_cast<uint4*>(lvs)[k] = reinterpret_cast<const uint4*>(levels + (size_t)r * KS)[k];
+    else
+        for (int k = tid; k < KS; k += NT) lvs[k] = levels[(size_t)r * KS + k];
     if (tid < 2) before[tid] = 0;
     const int j0 = c * P.chunk, j1 = min(j0 + P.chunk, n);
     // each thread E consecutive tokens, their codes loaded at once (one round of memory latency per block)
@@ -18,15 +27,6 @@
         const int j = jt + e;
         cd[e] = (e < E && j < j1 && j >= c0 && j < c1) ? (int)crow[j] : -1;
     }
-    // the codes are loaded before the wait for this row's levels, so their latency overlaps it; the levels and
-    // counts come from L2 (__ldcg): in the step kernel another block wrote them during this launch
-    a2ats_await(await_flag);
-    const int n1 = __ldcg(nsel + r * 3), n2 = __ldcg(nsel + r * 3 + 1);
-    if (KS % 16 == 0)   // rows of levels start 16-byte aligned then (MLX allocates at least that)
-        for (int k = tid; k < KS / 16; k += NT)
-            reinterpret_cast<uint4*>(lvs)[k] = __ldcg(reinterpret_cast<const uint4*>(levels + (size_t)r * KS) + k);
-    else
-        for (int k = tid; k < KS; k += NT) lvs[k] = __ldcg(levels + (size_t)r * KS + k);
     const bool cut = n1 + n2 > S;
     __syncthreads();
     int lv[EMAX], k1 = 0, k2 = 0;
