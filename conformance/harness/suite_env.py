@@ -2,10 +2,6 @@
 
 - ``MLX_ENABLE_TF32=0`` unless set: the suite checks float32 arithmetic, and MLX reads the variable once, at the
   process's first float32 GEMM.
-- ``A2ATS_PRECOMPILED_KERNELS=auto`` unless set: the reference's CUDA decode kernels run from cubins it keeps per
-  machine (a2ats_ref.runtime.decode.precompiled). Its default, MLX's JIT, compiles them again in every process,
-  and a run draws many head shapes in many workers: on an H100 a head shape's first step took 2.4-3.5 s that way,
-  0.001-0.24 s from kept cubins (``decode_profile --first-use``). The variable means nothing to other ports.
 - ``MLX_PTX_CACHE_DIR``: a directory of this process's own, unless the user set one. MLX CUDA's JIT keeps
   compiled kernels in one directory that every process shares (``/tmp/mlx/<version>/ptx``). It writes them with
   plain file streams and reads a cached file without a lock (mlx ``backend/cuda/jit_module.cpp``,
@@ -161,7 +157,6 @@ def persistent_pool(root: str | None = None) -> str | None:
 def pin_suite_process() -> None:
     """Set this process's MLX variables for a test or conformance run (before MLX compiles or multiplies)."""
     os.environ.setdefault("MLX_ENABLE_TF32", "0")
-    os.environ.setdefault("A2ATS_PRECOMPILED_KERNELS", "auto")
     ours = OWNER in os.environ
     if "MLX_PTX_CACHE_DIR" in os.environ and not ours:
         return   # the user's choice

@@ -46,7 +46,7 @@ def _fidelity_body(monkeypatch):
 
 def test_provenance_names_the_command_and_the_settings_that_change_it(monkeypatch):
     monkeypatch.setenv("MLX_ENABLE_TF32", "0")
-    monkeypatch.delenv("A2ATS_PRECOMPILED_KERNELS", raising=False)   # the tests' own setting (suite_env)
+    monkeypatch.delenv("A2ATS_PRECOMPILED_KERNELS", raising=False)   # a setting of the shell that runs the tests
     p = results_page.provenance("a2ats-bench", ["speed", "--T", "16384,65536"])
     assert p["command"] == "MLX_ENABLE_TF32=0 a2ats-bench speed --T 16384,65536"
     assert re.fullmatch(r"20\d\d-\d\d-\d\d \d\d:\d\d UTC", p["date"]) and p["commit"]

@@ -202,16 +202,20 @@ def test_the_step_takes_mlx_jit_unless_told_to_keep_cubins(found, monkeypatch):
         pc.default_launch()
 
 
-def test_a_suite_process_keeps_cubins_unless_the_user_chose(monkeypatch):
-    """The conformance suite and the tests meet many head shapes in many short processes: they keep the cubins
-    (suite_env), and a value the user set stays."""
+def test_a_suite_process_runs_the_launcher_a_user_gets(monkeypatch):
+    """The conformance suite and the tests check the decode path a user runs: pinning their process leaves the
+    launcher setting as it was (unset: MLX's JIT), whatever the user chose."""
     from a2ats_conformance.harness import suite_env
+    for setting in (None, "0", "auto", "1"):
+        if setting is None:
+            monkeypatch.delenv(pc.ENV, raising=False)
+        else:
+            monkeypatch.setenv(pc.ENV, setting)
+        suite_env.pin_suite_process()
+        assert pc.os.environ.get(pc.ENV) == setting
     monkeypatch.delenv(pc.ENV, raising=False)
     suite_env.pin_suite_process()
-    assert pc.os.environ[pc.ENV] == "auto"
-    monkeypatch.setenv(pc.ENV, "0")
-    suite_env.pin_suite_process()
-    assert pc.os.environ[pc.ENV] == "0"
+    assert pc.default_launch() is cd.mlx_launch
 
 
 def test_available_says_no_where_nvrtc_is_missing(monkeypatch):

@@ -22,10 +22,11 @@ What it costs and saves, side by side with the JIT path (an H100, float16):
   through the JIT path; SmolLM2 end to end at 32K (``a2ats-bench speed --only e2e --e2e-ctx 32768``, alternating):
   0.78x and 0.80x dense here against 0.89x and 0.92x, 134-146 against 109-116 us of A2ATS attention per layer;
 - per process: a head shape's first step takes 0.001-0.24 s once its cubins are kept, against 2.4-3.5 s of
-  compiling through ``mx.fast.cuda_kernel``; the conformance suite at ci on 15 workers takes 52 s warm.
+  compiling through ``mx.fast.cuda_kernel``. The conformance suite at ci on 15 workers took 52 s warm this way,
+  and 70 s, then 61 s, through MLX's JIT, whose modules the suite's pool (``a2ats_conformance.harness.suite_env``)
+  keeps across processes; so the suite runs the default launcher, the one a user gets.
 
-So a process that decodes for long takes MLX's JIT, the default, and one that meets many head shapes briefly (a
-test or conformance run: ``a2ats_conformance.harness.suite_env`` sets ``auto``) keeps the cubins.
+So MLX's JIT is the default, and a process that meets many head shapes briefly may keep the cubins instead.
 ``A2ATS_PRECOMPILED_KERNELS=auto`` takes this path wherever NVRTC and the CUDA headers are found (``available``;
 MLX's CUDA wheel brings both), ``=1`` insists on it (a missing NVRTC is then an error at the first launch, not a
 silent fallback), and ``=0`` or unset runs the kernels through ``mx.fast.cuda_kernel``.
